@@ -1,0 +1,77 @@
+"""Triton kernel for `residual + gate * update` (imported lazily: triton is optional on CPU hosts).
+
+Bit-exactness with eager: aten's CUDA `mul` of two half tensors computes in fp32 and rounds to the half type;
+`add` does the same with the rounded product. The kernel repeats both rounding points (product -> half -> fp32)
+and is launched with `enable_fp_fusion=False`, so no FMA can merge the multiply into the add.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Memory-bound elementwise kernel: a few tile shapes, picked per (B, S, D) once by Triton's autotuner.
+# Re-running the kernel while tuning is harmless: it is out of place.
+_CONFIGS = [
+    triton.Config({"BLOCK_S": bs, "BLOCK_D": bd}, num_warps=w)
+    for bs, bd, w in [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (4, 1024, 8), (8, 512, 4), (8, 1024, 8)]
+]
+
+
+@triton.autotune(configs=_CONFIGS, key=["B", "S", "D"])
+@triton.jit
+def _residual_gate_add_kernel(
+    r_ptr,
+    u_ptr,
+    g_ptr,
+    o_ptr,
+    B,
+    S,
+    D,
+    g_bstride,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_INT64: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    b = tl.program_id(2)
+    rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = cols < D
+    if USE_INT64:
+        b = b.to(tl.int64)
+        rows = rows.to(tl.int64)
+    # One gate row per program, reused for all BLOCK_S rows (batch stride may be 0, D, 3D or 6D).
+    g = tl.load(g_ptr + b * g_bstride + cols, mask=col_mask, other=0.0)
+    offs = b * S * D + rows[:, None] * D + cols[None, :]
+    mask = (rows[:, None] < S) & col_mask[None, :]
+    r = tl.load(r_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    out_ty = o_ptr.dtype.element_ty
+    prod = (g.to(tl.float32)[None, :] * u.to(tl.float32)).to(out_ty, fp_downcast_rounding="rtne")  # eager `gate * update` rounds here
+    out = (r.to(tl.float32) + prod.to(tl.float32)).to(out_ty, fp_downcast_rounding="rtne")  # eager `residual + ...` rounds here
+    tl.store(o_ptr + offs, out, mask=mask)
+
+
+def launch(
+    residual: torch.Tensor, update: torch.Tensor, gate3: torch.Tensor, config: dict | None = None
+) -> torch.Tensor:
+    """residual/update: contiguous [B, S, D]; gate3: [B, 1, D] view (batch stride any, last stride 1).
+
+    config ({"BLOCK_S", "BLOCK_D", "num_warps"}) bypasses the autotuner: for benchmarks and the interpreter.
+    """
+    B, S, D = residual.shape
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    use_int64 = residual.numel() >= 2**31 - 1 or gate3.stride(0) * B >= 2**31 - 1
+
+    def grid(meta: dict) -> tuple[int, int, int]:
+        return (triton.cdiv(S, meta["BLOCK_S"]), triton.cdiv(D, meta["BLOCK_D"]), B)
+
+    args = (residual, update, gate3, out, B, S, D, gate3.stride(0))
+    if config is None:
+        _residual_gate_add_kernel[grid](*args, USE_INT64=use_int64, enable_fp_fusion=False)
+    else:
+        _residual_gate_add_kernel.fn[grid](*args, USE_INT64=use_int64, enable_fp_fusion=False, **config)
+    return out

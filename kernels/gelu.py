@@ -1,0 +1,213 @@
+"""Linear + tanh-GELU fusion (quality "high": not bit-exact) and the mountable site protocol.
+
+A site is `F.gelu(getattr(module, attr)(x), approximate="tanh")`. Models mark their sites once; `mount` switches
+all of them to the fused call (or none, if any refuses), `unmount` switches back. The state lives on the
+modules themselves, so it follows the model through deepcopy and `.to()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_HALF = (torch.float16, torch.bfloat16)
+# Per-module dict {attr: mounted?}; a plain instance attribute (not a buffer/parameter) so it is copied by
+# deepcopy, untouched by .to(), and invisible to state_dict.
+_SITES_ATTR = "_fluxserve_gelu_sites"
+
+
+def _device_supported(device: torch.device) -> bool:
+    # The fused call is CUDA-only: on CPU `torch._addmm_activation(use_gelu=True)` is the erf GELU, not tanh.
+    return device.type == "cuda"
+
+
+def _unfused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+
+
+def _cublaslt_epilogue(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    # cuBLASLt GELU-bias epilogue (tanh GELU on CUDA).
+    return torch._addmm_activation(bias, x2d, weight.t(), use_gelu=True)
+
+
+# Implementations a shape can be dispatched to. Phase 2 adds a Triton GEMM with the epilogue.
+GELU_IMPLS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "unfused": _unfused,
+    "cublaslt": _cublaslt_epilogue,
+}
+
+# Cached per-shape decision: (M, N, K, dtype, device index) -> impl name.
+_gelu_choice: dict[tuple, str] = {}
+
+
+def clear_gelu_dispatch_cache() -> None:
+    _gelu_choice.clear()
+
+
+def gelu_dispatch_table() -> dict[tuple, str]:
+    """A copy of the per-shape decisions taken so far."""
+    return dict(_gelu_choice)
+
+
+def _time_impl(fn: Callable[[], torch.Tensor], reps: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _choose_impl(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> str:
+    """Pick the implementation for this (M, N, K, dtype): FLUXSERVE_GELU_IMPL forces one; "auto" (default)
+    times every candidate once on the real operands and keeps the fastest, so a mounted site never runs
+    slower than the unfused pair it replaces."""
+    M, K = x2d.shape
+    key = (M, weight.shape[0], K, x2d.dtype, x2d.device.index)
+    name = _gelu_choice.get(key)
+    if name is not None:
+        return name
+    forced = os.environ.get("FLUXSERVE_GELU_IMPL", "auto")
+    if forced != "auto":
+        if forced not in GELU_IMPLS:
+            raise ValueError(f"FLUXSERVE_GELU_IMPL={forced!r}: expected 'auto' or one of {sorted(GELU_IMPLS)}")
+        name = forced
+    elif torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return "cublaslt"  # cannot time here; not cached so a later eager call still decides by timing
+    else:
+        timings = {n: _time_impl(lambda f=f: f(x2d, weight, bias)) for n, f in GELU_IMPLS.items()}
+        name = min(timings, key=timings.__getitem__)
+        logger.info("fused GELU dispatch %s -> %s (%s)", key, name, {n: f"{t * 1e3:.1f}us" for n, t in timings.items()})
+    _gelu_choice[key] = name
+    return name
+
+
+def fused_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """tanh-GELU(x @ weight.T + bias) through a fused GEMM epilogue where that is faster (per-shape choice).
+
+    Not bit-exact with the unfused pair. On non-CUDA devices it is the unfused pair (the CPU epilogue is erf).
+    """
+    if not _device_supported(x.device):
+        return _unfused(x, weight, bias)
+    K = x.shape[-1]
+    x2d = x.reshape(-1, K)
+    out = GELU_IMPLS[_choose_impl(x2d, weight, bias)](x2d, weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _layer_type_ok(layer: nn.Module) -> bool:
+    # Exact type: subclasses of nn.Linear (quantized/foreign wrappers) may not compute `x @ W.T + b`.
+    return type(layer) is nn.Linear or getattr(type(layer), "fused_gelu_compatible", False) is True
+
+
+def can_fuse_linear_gelu(layer: nn.Module, x: torch.Tensor | None = None) -> tuple[bool, str]:
+    """(ok, reason): whether `gelu_tanh(layer(x))` may run as `fused_linear_gelu_tanh(x, layer.weight, layer.bias)`.
+
+    Static checks on the layer always; dynamic checks on `x` when given.
+    """
+    if not _layer_type_ok(layer):
+        return False, f"unsupported layer type {type(layer).__module__}.{type(layer).__qualname__}"
+    weight = getattr(layer, "weight", None)
+    bias = getattr(layer, "bias", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return False, "layer has no 2-D weight"
+    if bias is None:
+        return False, "layer has no bias"
+    if getattr(layer, "gather_output", False) and getattr(layer, "tp_size", 1) > 1:
+        return False, "column-parallel layer gathers its output (the fused call would skip the gather)"
+    if weight.dtype not in _HALF:
+        return False, f"weight dtype {weight.dtype} is not fp16/bf16"
+    if not _device_supported(weight.device):
+        return False, f"weight on {weight.device.type} (the fused GELU epilogue is CUDA-only)"
+    if x is not None:
+        if not _device_supported(x.device) or x.device != weight.device:
+            return False, f"input on {x.device} (weight on {weight.device})"
+        if x.dtype not in _HALF:
+            return False, f"input dtype {x.dtype} is not fp16/bf16"
+        if x.dtype != weight.dtype:
+            return False, f"input dtype {x.dtype} != weight dtype {weight.dtype}"
+    return True, "ok"
+
+
+def mark_fused_gelu_site(module: nn.Module, attr: str) -> None:
+    """Declare that `F.gelu(getattr(module, attr)(x), approximate="tanh")` is a fusable site (unmounted)."""
+    sites = module.__dict__.get(_SITES_ATTR)
+    if sites is None:
+        sites = {}
+        object.__setattr__(module, _SITES_ATTR, sites)
+    sites.setdefault(attr, False)
+
+
+def gelu_site(module: nn.Module, attr: str, x: torch.Tensor) -> torch.Tensor:
+    """What a site's forward calls. Unmounted: exactly `F.gelu(layer(x), approximate="tanh")`.
+    Mounted and the dynamic guard passes: the fused call; otherwise unfused."""
+    layer = getattr(module, attr)
+    sites = module.__dict__.get(_SITES_ATTR)
+    if sites is not None and sites.get(attr, False):
+        ok, _ = can_fuse_linear_gelu(layer, x)
+        if ok:
+            return fused_linear_gelu_tanh(x, layer.weight, layer.bias)
+    return F.gelu(layer(x), approximate="tanh")
+
+
+@dataclass
+class MountReport:
+    mounted: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)  # qualified site name -> reason
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused
+
+
+def _iter_sites(model: nn.Module):
+    for prefix, module in model.named_modules():
+        sites = module.__dict__.get(_SITES_ATTR)
+        if sites:
+            for attr in sites:
+                yield (f"{prefix}.{attr}" if prefix else attr), module, sites, attr
+
+
+def mount(model: nn.Module) -> MountReport:
+    """Mount every marked site in `model`, or none if any refuses (the report says which and why)."""
+    report = MountReport()
+    candidates = []
+    for name, module, sites, attr in _iter_sites(model):
+        layer = getattr(module, attr, None)
+        ok, reason = (False, f"attribute {attr!r} is not a module") if not isinstance(layer, nn.Module) else (
+            can_fuse_linear_gelu(layer)
+        )
+        if ok:
+            candidates.append((name, sites, attr))
+        else:
+            report.refused[name] = reason
+    if report.refused:
+        logger.info("GELU mount refused (nothing mounted): %s", report.refused)
+        return report
+    for name, sites, attr in candidates:
+        sites[attr] = True
+        report.mounted.append(name)
+    return report
+
+
+def unmount(model: nn.Module) -> None:
+    for _, _, sites, attr in _iter_sites(model):
+        sites[attr] = False
+
+
+def mounted_sites(model: nn.Module) -> list[str]:
+    return [name for name, _, sites, attr in _iter_sites(model) if sites[attr]]
