@@ -1,0 +1,468 @@
+"""Our FLUX.1 transformer: diffusers' parameter names and numerics, with our own fused sites.
+
+`FluxTransformer` is a drop-in for diffusers' `FluxTransformer2DModel` (0.42.1): same config/`__init__` signature,
+same state-dict keys (strict loading both ways), same forward signature and return type. Unmounted, its output is
+bit-identical to diffusers' (each op below repeats diffusers' op, operand order and dtype casts). What differs is
+structure: the attention, the residual-gate sites, the FF and the single-block MLP are written here, so that
+`kernels` can fuse them (residual-gate add, GELU sites) and `tp/` can shard them in place (attention reads its head
+count from `attn.heads` at run time).
+
+Small pieces whose output we reuse unchanged come from diffusers: the RoPE tables (`FluxPosEmbed`), the
+timestep/guidance/text embedders and the final `AdaLayerNormContinuous`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.loaders import PeftAdapterMixin
+from diffusers.models.attention import AttentionMixin
+from diffusers.models.cache_utils import CacheMixin
+from diffusers.models.embeddings import (
+    CombinedTimestepGuidanceTextProjEmbeddings,
+    CombinedTimestepTextProjEmbeddings,
+)
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.models.normalization import AdaLayerNormContinuous
+from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+from diffusers.utils import apply_lora_scale, logging
+
+from kernels import gelu_site, mark_fused_gelu_site, residual_gate_add
+
+logger = logging.get_logger(__name__)
+
+__all__ = [
+    "FluxTransformer",
+    "FluxTransformerBlock",
+    "FluxSingleTransformerBlock",
+    "FluxAttention",
+    "FluxAdaLayerNormZero",
+    "FluxAdaLayerNormZeroSingle",
+    "FluxFeedForward",
+    "FluxGELU",
+    "FluxFusedGELUProj",
+    "modulate",
+    "apply_rope",
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Elementwise pieces (the eager reference; kept as functions so fused variants can replace them one at a time)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def modulate(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """`normed * (1 + scale[:, None]) + shift[:, None]`, the AdaLN modulation exactly as diffusers writes it."""
+    return normed * (1 + scale[:, None]) + shift[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on x [B, S, H, D] with tables [S, D]: diffusers' `apply_rotary_emb(..., sequence_dim=1)`.
+
+    Interleaved pairs (x0, x1) -> (-x1, x0); fp32 math, one rounding to x's dtype at the end.
+    """
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+
+
+def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """diffusers' native attention backend: [B, S, H, D] in, permuted views into SDPA, [B, S, H, D] out."""
+    if attn_mask is not None and attn_mask.ndim == 2 and attn_mask.shape == (query.shape[0], key.shape[1]):
+        attn_mask = attn_mask.unsqueeze(1).unsqueeze(1)
+    q, k, v = (t.permute(0, 2, 1, 3) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=False)
+    return out.permute(0, 2, 1, 3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class FluxGELU(nn.Module):
+    """A tanh-GELU up-projection site: `gelu_tanh(self.proj(x))`, routed through `kernels.gelu_site`.
+
+    `proj` may be any linear-like module: an `nn.Linear` (TP=1) or tp/'s column-parallel linear with
+    `gather_output=False` (TP>1). Unmounted this is exactly diffusers' `GELU(approximate="tanh")`.
+    """
+
+    def __init__(self, proj: nn.Module) -> None:
+        super().__init__()
+        self.proj = proj
+        mark_fused_gelu_site(self, "proj")
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return gelu_site(self, "proj", hidden_states)
+
+
+class FluxFusedGELUProj(FluxGELU):
+    """`ff.net.0` of a double block: owns its `nn.Linear`, so the checkpoint path stays `ff.net.0.proj.weight`."""
+
+    def __init__(self, dim_in: int, dim_out: int, bias: bool = True) -> None:
+        super().__init__(nn.Linear(dim_in, dim_out, bias=bias))
+
+
+class FluxFeedForward(nn.Module):
+    """diffusers `FeedForward(activation_fn="gelu-approximate")`: net = [GELU site, Dropout, Linear]."""
+
+    def __init__(self, dim: int, dim_out: int | None = None, mult: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        inner_dim = int(dim * mult)
+        self.net = nn.ModuleList(
+            [FluxFusedGELUProj(dim, inner_dim), nn.Dropout(dropout), nn.Linear(inner_dim, dim_out or dim)]
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        for module in self.net:
+            hidden_states = module(hidden_states)
+        return hidden_states
+
+
+class FluxAdaLayerNormZero(nn.Module):
+    """AdaLN-Zero of a double block (diffusers `AdaLayerNormZero`, layer_norm, no class embedding)."""
+
+    def __init__(self, embedding_dim: int, bias: bool = True) -> None:
+        super().__init__()
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(embedding_dim, 6 * embedding_dim, bias=bias)
+        self.norm = nn.LayerNorm(embedding_dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(
+        self, x: torch.Tensor, emb: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        emb = self.linear(self.silu(emb))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+        return modulate(self.norm(x), scale_msa, shift_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+class FluxAdaLayerNormZeroSingle(nn.Module):
+    """AdaLN-Zero of a single block (diffusers `AdaLayerNormZeroSingle`)."""
+
+    def __init__(self, embedding_dim: int, bias: bool = True) -> None:
+        super().__init__()
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(embedding_dim, 3 * embedding_dim, bias=bias)
+        self.norm = nn.LayerNorm(embedding_dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        emb = self.linear(self.silu(emb))
+        shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
+        return modulate(self.norm(x), scale_msa, shift_msa), gate_msa
+
+
+class FluxAttention(nn.Module):
+    """FLUX joint attention (double block: with the text-stream projections; single block: `pre_only`).
+
+    Parameter names are diffusers' `FluxAttention`'s. `heads` and `head_dim` are read at every call, so tp/ can
+    swap the projections for sharded ones and set `heads = heads // tp` on a built model.
+    """
+
+    def __init__(
+        self,
+        query_dim: int,
+        heads: int,
+        dim_head: int,
+        added_kv_proj_dim: int | None = None,
+        bias: bool = True,
+        out_bias: bool = True,
+        eps: float = 1e-6,
+        pre_only: bool = False,
+    ) -> None:
+        super().__init__()
+        self.heads = heads
+        self.head_dim = dim_head
+        self.inner_dim = heads * dim_head
+        self.query_dim = query_dim
+        self.pre_only = pre_only
+        self.added_kv_proj_dim = added_kv_proj_dim
+
+        self.norm_q = nn.RMSNorm(dim_head, eps=eps)
+        self.norm_k = nn.RMSNorm(dim_head, eps=eps)
+        self.to_q = nn.Linear(query_dim, self.inner_dim, bias=bias)
+        self.to_k = nn.Linear(query_dim, self.inner_dim, bias=bias)
+        self.to_v = nn.Linear(query_dim, self.inner_dim, bias=bias)
+        if not pre_only:
+            self.to_out = nn.ModuleList([nn.Linear(self.inner_dim, query_dim, bias=out_bias), nn.Dropout(0.0)])
+        if added_kv_proj_dim is not None:
+            self.norm_added_q = nn.RMSNorm(dim_head, eps=eps)
+            self.norm_added_k = nn.RMSNorm(dim_head, eps=eps)
+            self.add_q_proj = nn.Linear(added_kv_proj_dim, self.inner_dim, bias=True)
+            self.add_k_proj = nn.Linear(added_kv_proj_dim, self.inner_dim, bias=True)
+            self.add_v_proj = nn.Linear(added_kv_proj_dim, self.inner_dim, bias=True)
+            self.to_add_out = nn.Linear(self.inner_dim, query_dim, bias=out_bias)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(-1, (self.heads, self.head_dim))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        query = self.norm_q(self._heads(self.to_q(hidden_states)))
+        key = self.norm_k(self._heads(self.to_k(hidden_states)))
+        value = self._heads(self.to_v(hidden_states))
+
+        joint = encoder_hidden_states is not None and self.added_kv_proj_dim is not None
+        if joint:
+            encoder_query = self.norm_added_q(self._heads(self.add_q_proj(encoder_hidden_states)))
+            encoder_key = self.norm_added_k(self._heads(self.add_k_proj(encoder_hidden_states)))
+            encoder_value = self._heads(self.add_v_proj(encoder_hidden_states))
+            # Text tokens first, as in diffusers (the RoPE table is laid out txt_ids then img_ids).
+            query = torch.cat([encoder_query, query], dim=1)
+            key = torch.cat([encoder_key, key], dim=1)
+            value = torch.cat([encoder_value, value], dim=1)
+
+        if image_rotary_emb is not None:
+            cos, sin = image_rotary_emb
+            query = apply_rope(query, cos, sin)
+            key = apply_rope(key, cos, sin)
+
+        hidden_states = _sdpa(query, key, value, attention_mask)
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+
+        if encoder_hidden_states is None:
+            return hidden_states
+        text_len = encoder_hidden_states.shape[1]
+        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+            [text_len, hidden_states.shape[1] - text_len], dim=1
+        )
+        hidden_states = self.to_out[1](self.to_out[0](hidden_states.contiguous()))
+        encoder_hidden_states = self.to_add_out(encoder_hidden_states.contiguous())
+        return hidden_states, encoder_hidden_states
+
+
+class FluxTransformerBlock(nn.Module):
+    """Double-stream (MMDiT) block. Residual-gate sites: img-attn, img-ff, txt-attn, txt-ff."""
+
+    def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.norm1 = FluxAdaLayerNormZero(dim)
+        self.norm1_context = FluxAdaLayerNormZero(dim)
+        self.attn = FluxAttention(
+            query_dim=dim, heads=num_attention_heads, dim_head=attention_head_dim, added_kv_proj_dim=dim, eps=eps
+        )
+        self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.ff = FluxFeedForward(dim=dim, dim_out=dim)
+        self.norm2_context = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.ff_context = FluxFeedForward(dim=dim, dim_out=dim)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+            encoder_hidden_states, emb=temb
+        )
+        attn_output, context_attn_output = self.attn(
+            hidden_states=norm_hidden_states,
+            encoder_hidden_states=norm_encoder_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+        )
+
+        # Image stream. diffusers: `h = h + gate.unsqueeze(1) * update` at each site.
+        hidden_states = residual_gate_add(hidden_states, attn_output, gate_msa.unsqueeze(1))
+        norm_hidden_states = modulate(self.norm2(hidden_states), scale_mlp, shift_mlp)
+        hidden_states = residual_gate_add(hidden_states, self.ff(norm_hidden_states), gate_mlp.unsqueeze(1))
+
+        # Text stream.
+        encoder_hidden_states = residual_gate_add(encoder_hidden_states, context_attn_output, c_gate_msa.unsqueeze(1))
+        norm_encoder_hidden_states = modulate(self.norm2_context(encoder_hidden_states), c_scale_mlp, c_shift_mlp)
+        encoder_hidden_states = residual_gate_add(
+            encoder_hidden_states, self.ff_context(norm_encoder_hidden_states), c_gate_mlp.unsqueeze(1)
+        )
+        # diffusers clips only the text stream here (fp16 overflow guard).
+        if encoder_hidden_states.dtype == torch.float16:
+            encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+        return encoder_hidden_states, hidden_states
+
+
+class FluxSingleTransformerBlock(nn.Module):
+    """Single-stream block: parallel attention + MLP over the joint [text; image] sequence.
+
+    Residual-gate site: the block output. GELU site: (self, "proj_mlp").
+    """
+
+    def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        self.mlp_hidden_dim = int(dim * mlp_ratio)
+        self.norm = FluxAdaLayerNormZeroSingle(dim)
+        self.proj_mlp = nn.Linear(dim, self.mlp_hidden_dim)
+        self.proj_out = nn.Linear(dim + self.mlp_hidden_dim, dim)
+        self.attn = FluxAttention(
+            query_dim=dim, heads=num_attention_heads, dim_head=attention_head_dim, eps=1e-6, pre_only=True
+        )
+        mark_fused_gelu_site(self, "proj_mlp")
+
+    def forward_joint(
+        self,
+        joint: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The block on the joint [text; image] sequence (what diffusers computes between its cat and split)."""
+        norm_hidden_states, gate = self.norm(joint, emb=temb)
+        mlp_hidden_states = gelu_site(self, "proj_mlp", norm_hidden_states)
+        attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
+        update = self.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
+        joint = residual_gate_add(joint, update, gate.unsqueeze(1))
+        if joint.dtype == torch.float16:
+            joint = joint.clip(-65504, 65504)
+        return joint
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        text_len = encoder_hidden_states.shape[1]
+        joint = self.forward_joint(torch.cat([encoder_hidden_states, hidden_states], dim=1), temb, image_rotary_emb)
+        return joint[:, :text_len], joint[:, text_len:]
+
+
+class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, AttentionMixin):
+    """FLUX.1 transformer, drop-in for diffusers' `FluxTransformer2DModel` (same config, weights, forward)."""
+
+    _supports_gradient_checkpointing = True
+    _no_split_modules = ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
+    _skip_layerwise_casting_patterns = ["pos_embed", "norm"]
+    _repeated_blocks = ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
+
+    @register_to_config
+    def __init__(
+        self,
+        patch_size: int = 1,
+        in_channels: int = 64,
+        out_channels: int | None = None,
+        num_layers: int = 19,
+        num_single_layers: int = 38,
+        attention_head_dim: int = 128,
+        num_attention_heads: int = 24,
+        joint_attention_dim: int = 4096,
+        pooled_projection_dim: int = 768,
+        guidance_embeds: bool = False,
+        axes_dims_rope: tuple[int, int, int] = (16, 56, 56),
+    ):
+        super().__init__()
+        self.out_channels = out_channels or in_channels
+        self.inner_dim = num_attention_heads * attention_head_dim
+
+        self.pos_embed = FluxPosEmbed(theta=10000, axes_dim=axes_dims_rope)
+        embed_cls = CombinedTimestepGuidanceTextProjEmbeddings if guidance_embeds else CombinedTimestepTextProjEmbeddings
+        self.time_text_embed = embed_cls(embedding_dim=self.inner_dim, pooled_projection_dim=pooled_projection_dim)
+        self.context_embedder = nn.Linear(joint_attention_dim, self.inner_dim)
+        self.x_embedder = nn.Linear(in_channels, self.inner_dim)
+
+        self.transformer_blocks = nn.ModuleList(
+            [FluxTransformerBlock(self.inner_dim, num_attention_heads, attention_head_dim) for _ in range(num_layers)]
+        )
+        self.single_transformer_blocks = nn.ModuleList(
+            [
+                FluxSingleTransformerBlock(self.inner_dim, num_attention_heads, attention_head_dim)
+                for _ in range(num_single_layers)
+            ]
+        )
+        self.norm_out = AdaLayerNormContinuous(self.inner_dim, self.inner_dim, elementwise_affine=False, eps=1e-6)
+        self.proj_out = nn.Linear(self.inner_dim, patch_size * patch_size * self.out_channels, bias=True)
+        self.gradient_checkpointing = False
+
+    @apply_lora_scale("joint_attention_kwargs")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor = None,
+        pooled_projections: torch.Tensor = None,
+        timestep: torch.LongTensor = None,
+        img_ids: torch.Tensor = None,
+        txt_ids: torch.Tensor = None,
+        guidance: torch.Tensor = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+        controlnet_block_samples=None,
+        controlnet_single_block_samples=None,
+        return_dict: bool = True,
+        controlnet_blocks_repeat: bool = False,
+    ) -> torch.Tensor | Transformer2DModelOutput:
+        """Same arguments and result as diffusers' `FluxTransformer2DModel.forward`.
+
+        Not supported (raise): IP-adapter embeddings in `joint_attention_kwargs`.
+        """
+        if joint_attention_kwargs and "ip_adapter_image_embeds" in joint_attention_kwargs:
+            raise NotImplementedError("FluxTransformer does not support IP-adapter inputs")
+
+        hidden_states = self.x_embedder(hidden_states)
+        timestep = timestep.to(hidden_states.dtype) * 1000
+        if guidance is not None:
+            guidance = guidance.to(hidden_states.dtype) * 1000
+        temb = (
+            self.time_text_embed(timestep, pooled_projections)
+            if guidance is None
+            else self.time_text_embed(timestep, guidance, pooled_projections)
+        )
+        encoder_hidden_states = self.context_embedder(encoder_hidden_states)
+
+        if txt_ids.ndim == 3:
+            logger.warning("Passing `txt_ids` 3d torch.Tensor is deprecated; pass a 2d tensor")
+            txt_ids = txt_ids[0]
+        if img_ids.ndim == 3:
+            logger.warning("Passing `img_ids` 3d torch.Tensor is deprecated; pass a 2d tensor")
+            img_ids = img_ids[0]
+        image_rotary_emb = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+
+        checkpointing = torch.is_grad_enabled() and self.gradient_checkpointing
+        for index_block, block in enumerate(self.transformer_blocks):
+            args = (hidden_states, encoder_hidden_states, temb, image_rotary_emb)
+            if checkpointing:
+                encoder_hidden_states, hidden_states = self._gradient_checkpointing_func(block, *args)
+            else:
+                encoder_hidden_states, hidden_states = block(*args)
+            if controlnet_block_samples is not None:
+                interval = int(np.ceil(len(self.transformer_blocks) / len(controlnet_block_samples)))
+                if controlnet_blocks_repeat:  # XLabs ControlNet
+                    sample = controlnet_block_samples[index_block % len(controlnet_block_samples)]
+                else:
+                    sample = controlnet_block_samples[index_block // interval]
+                hidden_states = hidden_states + sample
+
+        # diffusers re-concatenates [text; image] at the start of every single block and splits at its end: the
+        # split halves of one contiguous tensor concatenate back to that same tensor, so we keep the joint
+        # sequence across blocks and skip the copies (bit-identical).
+        text_len = encoder_hidden_states.shape[1]
+        joint = None
+        if len(self.single_transformer_blocks) > 0:
+            joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        for index_block, block in enumerate(self.single_transformer_blocks):
+            if checkpointing:
+                joint = self._gradient_checkpointing_func(block.forward_joint, joint, temb, image_rotary_emb)
+            else:
+                joint = block.forward_joint(joint, temb, image_rotary_emb)
+            if controlnet_single_block_samples is not None:
+                interval = int(np.ceil(len(self.single_transformer_blocks) / len(controlnet_single_block_samples)))
+                image = joint[:, text_len:] + controlnet_single_block_samples[index_block // interval]
+                joint = torch.cat([joint[:, :text_len], image], dim=1)
+        if joint is not None:
+            hidden_states = joint[:, text_len:]
+
+        hidden_states = self.norm_out(hidden_states, temb)
+        output = self.proj_out(hidden_states)
+        if not return_dict:
+            return (output,)
+        return Transformer2DModelOutput(sample=output)
