@@ -101,7 +101,7 @@ def fused_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
     Not bit-exact with the unfused pair. On non-CUDA devices it is the unfused pair (the CPU epilogue is erf).
     """
-    if not _device_supported(x.device):
+    if not x.is_cuda:  # deliberately not `_device_supported` (tests patch that): never the CPU epilogue
         return _unfused(x, weight, bias)
     K = x.shape[-1]
     x2d = x.reshape(-1, K)
@@ -196,6 +196,7 @@ def mount(model: nn.Module) -> MountReport:
         else:
             report.refused[name] = reason
     if report.refused:
+        unmount(model)  # "none mounted" also holds for sites an earlier mount switched on
         logger.info("GELU mount refused (nothing mounted): %s", report.refused)
         return report
     for name, sites, attr in candidates:

@@ -1,0 +1,202 @@
+"""Benchmark of kernels/ on one GPU (a script, not a test).
+
+1. residual_gate_add vs the eager pair `residual + gate * update` on the FLUX shapes (bf16, AdaLN chunk gate):
+   median GPU time per call (CUDA-graph replays, inputs rotated past L2), GB/s counting the 3 big tensors the
+   fused kernel must move, and % of a device-to-device copy rate measured in the same run.
+2. Linear(3072 -> 12288) + tanh-GELU at 512/4096/4608 rows and twice that (B=2): F.linear alone, F.linear then
+   F.gelu, the cuBLASLt GELU epilogue, every other registered implementation, and what the per-shape dispatch picks.
+
+Usage: python bench/kernels.py [--out bench/results/kernels-h200.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels  # noqa: E402
+from kernels import gelu as G  # noqa: E402
+from kernels import residual as R  # noqa: E402
+
+L2_BYTES = 60 * 2**20
+RESIDUAL_SHAPES = [(1, 4096, 3072), (1, 512, 3072), (1, 4608, 3072), (2, 4096, 3072)]
+GELU_ROWS = [512, 4096, 4608, 1024, 8192, 9216]
+
+
+def graph_time_us(calls: list[Callable[[], object]], reps: int = 30) -> float:
+    """Median GPU time of one call: all `calls` (one per input set) captured in one CUDA graph, replayed `reps`
+    times; launch gaps and Python overhead are out of the number."""
+    for c in calls:  # warm-up: compilation/autotuning happens here, not under capture
+        c()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def host_time_us(call: Callable[[], object], n: int = 200) -> float:
+    """Wall time per call issued back to back from Python (includes launch overhead)."""
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / n
+
+
+def copy_rate_gbs() -> float:
+    n = 2**29  # 1 GiB of bf16 per buffer
+    src = torch.randn(n // 4, device="cuda").bfloat16().repeat(4)
+    dst = torch.empty_like(src)
+    us = graph_time_us([lambda: dst.copy_(src)], reps=20)
+    return 2 * src.numel() * src.element_size() / us / 1e3
+
+
+def bench_residual(copy_gbs: float, dtype: torch.dtype) -> list[str]:
+    from kernels import _residual_triton as T
+
+    rows = [
+        f"Device-to-device copy (read + write) measured in this run: **{copy_gbs:.0f} GB/s**.",
+        "",
+        f"| shape ({str(dtype).replace('torch.', '')}, gate = AdaLN chunk view) | eager us | fused us | speed-up "
+        "| fused GB/s | % of copy | eager host us/call | fused host us/call | best tile (sweep) | torch.equal |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for B, S, D in RESIDUAL_SHAPES:
+        per_set = 3 * B * S * D * 2
+        nsets = min(64, max(2, math.ceil(4 * L2_BYTES / per_set)))
+        sets = []
+        for _ in range(nsets):
+            r = torch.randn(B, S, D, device="cuda").to(dtype)
+            u = torch.randn(B, S, D, device="cuda").to(dtype)
+            g = torch.randn(B, 6 * D, device="cuda").to(dtype).chunk(6, dim=1)[2].unsqueeze(1)
+            sets.append((r, u, g))
+        exact = all(torch.equal(kernels.residual_gate_add(r, u, g), r + g * u) for r, u, g in sets[:2])
+        eager_us = graph_time_us([lambda s=s: s[0] + s[2] * s[1] for s in sets])
+        calls_before = R.triton_calls()
+        fused_us = graph_time_us([lambda s=s: kernels.residual_gate_add(*s) for s in sets])
+        assert R.triton_calls() > calls_before and not R.fast_path_disabled(), "fast path did not run"
+        r, u, g = sets[0]
+        eager_host = host_time_us(lambda: r + g * u)
+        fused_host = host_time_us(lambda: kernels.residual_gate_add(r, u, g))
+        sweep = {}
+        for cfg in T._CONFIGS:
+            c = dict(cfg.kwargs, num_warps=cfg.num_warps)
+            sweep[f"{c['BLOCK_S']}x{c['BLOCK_D']}/w{c['num_warps']}"] = graph_time_us(
+                [lambda s=s, c=c: T.launch(s[0], s[1], R._gate_as_b1d(s[0], s[2]), config=c) for s in sets]
+            )
+        best = min(sweep, key=sweep.__getitem__)
+        gbs = per_set / fused_us / 1e3
+        rows.append(
+            f"| ({B}, {S}, {D}) | {eager_us:.1f} | {fused_us:.1f} | {eager_us / fused_us:.2f}x | {gbs:.0f} "
+            f"| {100 * gbs / copy_gbs:.0f}% | {eager_host:.1f} | {fused_host:.1f} | {best} {sweep[best]:.1f} us "
+            f"| {exact} |"
+        )
+        print(rows[-1], flush=True)
+        print("   tile sweep us:", {k: round(v, 1) for k, v in sweep.items()}, flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_gelu(dtype: torch.dtype) -> list[str]:
+    K, N = 3072, 12288
+    torch.manual_seed(0)
+    w = (torch.randn(N, K, device="cuda") / K**0.5).to(dtype)
+    b = torch.randn(N, device="cuda").to(dtype)
+    impls = {n: f for n, f in G.GELU_IMPLS.items() if n != "unfused"}
+    head = " | ".join(f"{n} us (x vs lin+gelu)" for n in impls)
+    rows = [
+        f"| M x {K} -> {N} ({str(dtype).replace('torch.', '')}) | F.linear us (TFLOP/s) | linear+gelu us | {head} "
+        "| dispatch picks | rel err vs fp64 (picked) |",
+        "|---|---|---|" + "---|" * len(impls) + "---|---|",
+    ]
+    for M in GELU_ROWS:
+        x = torch.randn(M, K, device="cuda").to(dtype)
+        lin_us = graph_time_us([lambda: F.linear(x, w, b)] * 4)
+        pair_us = graph_time_us([lambda: F.gelu(F.linear(x, w, b), approximate="tanh")] * 4)
+        cells = []
+        for name, fn in impls.items():
+            try:
+                t = graph_time_us([lambda fn=fn: fn(x, w, b)] * 4)
+                cells.append(f"{t:.1f} ({pair_us / t:.3f}x)")
+            except Exception as exc:  # an experimental impl must not sink the whole report
+                cells.append(f"failed: {type(exc).__name__}")
+                print(f"   {name} M={M} failed: {exc!r}", flush=True)
+        G.clear_gelu_dispatch_cache()
+        out = kernels.fused_linear_gelu_tanh(x, w, b)
+        picked = G.gelu_dispatch_table()[(M, N, K, dtype, x.device.index)]
+        ref = F.gelu(x.double() @ w.double().t() + b.double(), approximate="tanh")
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        tflops = 2 * M * N * K / lin_us / 1e6
+        rows.append(
+            f"| {M} | {lin_us:.1f} ({tflops:.0f}) | {pair_us:.1f} | {' | '.join(cells)} | {picked} | {err:.2e} |"
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/kernels-h200.md")
+    ap.add_argument("--skip-gelu", action="store_true")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    import triton
+
+    dev = torch.cuda.get_device_name()
+    lines = [
+        "# kernels benchmark",
+        "",
+        f"Command: `python3 {' '.join(sys.argv)}`",
+        "",
+        f"{dev}, torch {torch.__version__}, triton {triton.__version__}. Times: median GPU time per call over "
+        "CUDA-graph replays (launch overhead excluded; 'host us/call' columns include it).",
+        "",
+        "## residual_gate_add vs eager `residual + gate * update`",
+        "",
+    ]
+    copy_gbs = copy_rate_gbs()
+    print(f"copy: {copy_gbs:.0f} GB/s", flush=True)
+    lines += bench_residual(copy_gbs, torch.bfloat16)
+    if not args.skip_gelu:
+        lines += ["", "## Linear + tanh-GELU", ""]
+        lines += bench_gelu(torch.bfloat16)
+    text = "\n".join(lines) + "\n"
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
