@@ -1,0 +1,31 @@
+"""Tensor parallelism for FLUX: process-group setup, column/row-parallel linears, in-place sharding of a loaded
+transformer, cross-rank all-or-nothing GELU mounting, and the per-rank worker (`tp.worker.TPWorker`)."""
+
+from .dist import default_backend, find_free_port, init_tp, shutdown_tp
+from .layers import ColumnParallelLinear, RowParallelLinear, all_reduce_sum
+from .shard import TPInfo, gather_full_state_dict, mount_all_ranks, shard_flux_transformer, tp_info
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TPInfo",
+    "TPWorker",
+    "all_reduce_sum",
+    "default_backend",
+    "find_free_port",
+    "gather_full_state_dict",
+    "init_tp",
+    "mount_all_ranks",
+    "shard_flux_transformer",
+    "shutdown_tp",
+    "tp_info",
+]
+
+
+def __getattr__(name: str):
+    # The worker pulls in the pipeline (diffusers, transformers): import it only when asked for.
+    if name == "TPWorker":
+        from .worker import TPWorker
+
+        return TPWorker
+    raise AttributeError(name)

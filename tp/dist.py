@@ -1,0 +1,69 @@
+"""Process-group setup for tensor parallelism.
+
+One process per rank; rendezvous over `tcp://master_addr:port` (rank 0 hosts the store). The timeout bounds both
+the rendezvous (a rank that never arrives makes the others raise instead of waiting forever) and, on gloo, every
+collective (a rank that dies mid-step makes the survivors raise). On NCCL the same timeout arms the watchdog,
+which aborts the communicator and the process: an actor-level failure the caller sees as a dead actor.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_PORT = 29517
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (rank 0's host picks it and hands it to the other ranks)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def init_tp(
+    rank: int,
+    world_size: int,
+    backend: str | None = None,
+    master_addr: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    device: torch.device | str | None = None,
+) -> dist.ProcessGroup:
+    """Join the tensor-parallel group as `rank` of `world_size` and return it (the default/world group).
+
+    backend: None -> NCCL when CUDA is available, else gloo. device: the CUDA device this rank computes on (NCCL
+    only; binds the communicator to it eagerly so a bad rendezvous fails here, not at the first collective).
+    Raises (torch's DistStoreError / RuntimeError) if the other ranks do not join within `timeout_s`.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, {world_size})")
+    if dist.is_initialized():
+        raise RuntimeError("a default process group already exists in this process; call shutdown_tp() first")
+    backend = backend or default_backend()
+    kwargs = {}
+    if backend == "nccl" and device is not None:
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+    return dist.group.WORLD
+
+
+def shutdown_tp() -> None:
+    """Leave the group (no-op when none was initialised)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,145 @@
+"""One tensor-parallel rank: joins the group, loads the pipeline, shards its transformer, runs SPMD batches.
+
+Plain object (tests, scripts) and Ray actor body alike: `ray.remote(TPWorker)` works, nothing here imports Ray.
+Every rank must receive the same `generate(requests)` call (the coordinator submits all ranks together); all
+ranks then run the identical pipeline (text encoders, VAE and scheduler replicated, same seeds) and meet at the
+transformer's all-reduces. Rank 0 returns the results, the others None.
+
+Failure model: a rank that never joins makes `setup()` raise after `timeout_s`; a rank that dies makes the
+survivors' next collective raise (gloo: connection closed or the group timeout; NCCL: the watchdog aborts the
+process after the timeout), so the caller sees an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kernels.gelu import unmount
+
+from .dist import DEFAULT_PORT, DEFAULT_TIMEOUT_S, default_backend, init_tp, shutdown_tp
+from .shard import mount_all_ranks, shard_flux_transformer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    return dtype if isinstance(dtype, torch.dtype) else _DTYPES[str(dtype).removeprefix("torch.")]
+
+
+class TPWorker:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        model_path_or_preset: str,
+        device: str = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        master_addr: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        backend: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        cpu_threads: int | None = None,
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.model_path_or_preset = model_path_or_preset
+        self.device = device
+        self.dtype = _as_dtype(dtype)
+        self.master_addr, self.port = master_addr, port
+        self.backend = backend or default_backend()
+        self.timeout_s = timeout_s
+        self.cpu_threads = cpu_threads
+        self.group = None
+        self.ctrl_group = None
+        self.pipe = None
+        self._cancel = threading.Event()
+
+    def setup(self) -> dict[str, Any]:
+        """Join the group, load the full pipeline on this rank's device, shard the transformer in place."""
+        if self.cpu_threads:  # Ray pins OMP_NUM_THREADS=1 in actors
+            torch.set_num_threads(int(self.cpu_threads))
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            if device.index is None:  # under Ray each rank sees only its own GPU
+                device = torch.device("cuda", 0)
+            torch.cuda.set_device(device)
+        self.device = str(device)
+        t0 = time.perf_counter()
+        self.group = init_tp(
+            self.rank, self.world_size, self.backend, self.master_addr, self.port, self.timeout_s,
+            device=device if device.type == "cuda" else None,
+        )
+        # Control-plane agreements (cancel, mount) run on a CPU gloo group so they never force a CUDA sync.
+        self.ctrl_group = self.group if self.backend == "gloo" else dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=self.timeout_s)
+        )
+        t1 = time.perf_counter()
+        from model.loading import load_pipeline
+
+        pipe = load_pipeline(self.model_path_or_preset, device=self.device, dtype=self.dtype)
+        t2 = time.perf_counter()
+        shard_flux_transformer(pipe.transformer, self.rank, self.world_size, self.group)
+        self.pipe = pipe
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "device": self.device,
+            "heads_per_rank": int(pipe.transformer.transformer_blocks[0].attn.heads)
+            if len(pipe.transformer.transformer_blocks)
+            else None,
+            "init_s": t1 - t0,
+            "load_s": t2 - t1,
+            "shard_s": time.perf_counter() - t2,
+        }
+
+    def generate(self, requests: list) -> list | None:
+        """Run one batch (SPMD: every rank gets the same call). Rank 0 returns the results, others None."""
+        if self.pipe is None:
+            raise RuntimeError("TPWorker.setup() has not run")
+        self._cancel.clear()
+        requests = list(requests)
+        run, unfused_high = requests, False
+        if requests and requests[0].quality == "high" and self.world_size > 1:
+            # A "high" batch mounts on every rank or on none: ranks that disagree would compute different GELUs
+            # (same shapes, silently different images). The pipeline mounts by itself with the local,
+            # deterministic guard, so agree here first: if every rank can mount, each pipeline's own mount
+            # succeeds too; if any rank refuses, run the batch unmounted everywhere (the "lossless" path is
+            # exactly the unmounted computation) and report it as an unfused "high" batch.
+            ok, _ = mount_all_ranks(self.pipe.transformer, self.ctrl_group)
+            unmount(self.pipe.transformer)
+            if not ok:
+                run = [dataclasses.replace(r, quality="lossless") for r in requests]
+                unfused_high = True
+        results = self.pipe.generate(run, should_stop=self._should_stop)
+        if unfused_high:
+            results = [dataclasses.replace(r, quality="high", mounted_sites=0) for r in results]
+        return results if self.rank == 0 else None
+
+    def _should_stop(self) -> bool:
+        # Ranks must stop at the same step: agree on "any rank was asked to cancel" (one tiny all-reduce per
+        # step; the coordinator normally cancels all ranks together).
+        flag = torch.tensor([1 if self._cancel.is_set() else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctrl_group)
+        return bool(flag.item())
+
+    def cancel(self) -> None:
+        """Ask the running batch to stop at the next step boundary (call it from another thread / concurrency
+        group while `generate` runs)."""
+        self._cancel.set()
+
+    def ping(self) -> dict[str, Any]:
+        """Liveness, answered without touching the process group (may run while a batch is in flight)."""
+        return {"rank": self.rank, "ready": self.pipe is not None, "pid": os.getpid()}
+
+    def shutdown(self) -> None:
+        self.pipe = None
+        shutdown_tp()
+        self.group = self.ctrl_group = None
