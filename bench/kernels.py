@@ -155,7 +155,10 @@ def bench_gelu(dtype: torch.dtype) -> list[str]:
                 print(f"   {name} M={M} failed: {exc!r}", flush=True)
         G.clear_gelu_dispatch_cache()
         out = kernels.fused_linear_gelu_tanh(x, w, b)
-        picked = G.gelu_dispatch_table()[(M, N, K, dtype, x.device.index)]
+        key = (M, N, K, dtype, x.device.index)
+        picked = G.gelu_dispatch_table()[key]
+        shown = {n: f"{t * 1e3:.1f}us" if isinstance(t, float) else t for n, t in G.gelu_dispatch_timings()[key].items()}
+        print(f"   dispatch M={M}: {shown}", flush=True)
         ref = F.gelu(x.double() @ w.double().t() + b.double(), approximate="tanh")
         err = ((out.double() - ref).norm() / ref.norm()).item()
         tflops = 2 * M * N * K / lin_us / 1e6

@@ -38,18 +38,45 @@ def _cublaslt_epilogue(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return torch._addmm_activation(bias, x2d, weight.t(), use_gelu=True)
 
 
-# Implementations a shape can be dispatched to. Phase 2 adds a Triton GEMM with the epilogue.
+def _triton_mm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    from . import _gemm_gelu_triton
+
+    return _gemm_gelu_triton.mm_gelu(x2d, weight, bias)
+
+
+def _triton_tma(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    from . import _gemm_gelu_triton
+
+    return _gemm_gelu_triton.mm_gelu_tma(x2d, weight, bias)
+
+
+# Implementations a shape can be dispatched to, all `(x2d [M,K], weight [N,K], bias [N]) -> [M,N]`.
 GELU_IMPLS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "unfused": _unfused,
     "cublaslt": _cublaslt_epilogue,
+    "triton_mm": _triton_mm,
+    "triton_tma": _triton_tma,
 }
+# What torch.compile can trace (aten ops); the Triton launchers with host TMA descriptors are kept out of graphs.
+_TRACEABLE = ("unfused", "cublaslt")
+# A fused implementation must beat the unfused pair by this factor, so timing noise never swaps numerics for nothing.
+_MIN_GAIN = 0.99
+# Relative difference to the unfused pair above which a candidate is rejected as wrong (bf16 rounding is ~4e-3).
+_MAX_REL_DIFF = 2e-2
 
-# Cached per-shape decision: (M, N, K, dtype, device index) -> impl name.
+# Cached per-shape decision: (M, N, K, dtype, device index) -> impl name; and the timings behind it.
 _gelu_choice: dict[tuple, str] = {}
+_gelu_timings: dict[tuple, dict] = {}
 
 
 def clear_gelu_dispatch_cache() -> None:
     _gelu_choice.clear()
+    _gelu_timings.clear()
+
+
+def gelu_dispatch_timings() -> dict[tuple, dict]:
+    """Per decided shape: impl -> median ms, or why it was not a candidate."""
+    return {k: dict(v) for k, v in _gelu_timings.items()}
 
 
 def gelu_dispatch_table() -> dict[tuple, str]:
@@ -57,8 +84,8 @@ def gelu_dispatch_table() -> dict[tuple, str]:
     return dict(_gelu_choice)
 
 
-def _time_impl(fn: Callable[[], torch.Tensor], reps: int = 10) -> float:
-    for _ in range(3):
+def _time_impl(fn: Callable[[], torch.Tensor], reps: int = 20) -> float:
+    for _ in range(3):  # also triggers Triton compilation/autotuning outside the timed region
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -72,13 +99,34 @@ def _time_impl(fn: Callable[[], torch.Tensor], reps: int = 10) -> float:
     return times[len(times) // 2]
 
 
+def _decide_by_timing(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[str, dict]:
+    ref = _unfused(x2d, weight, bias).float()
+    timings: dict[str, float | str] = {}
+    for name, fn in GELU_IMPLS.items():
+        try:
+            diff = ((fn(x2d, weight, bias).float() - ref).norm() / ref.norm()).item()
+            if not diff < _MAX_REL_DIFF:  # also rejects NaN
+                timings[name] = f"rejected: rel diff {diff:.2e}"
+                continue
+            timings[name] = _time_impl(lambda f=fn: f(x2d, weight, bias))
+        except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is just not chosen
+            timings[name] = f"failed: {type(exc).__name__}: {exc}"
+    ok = {n: t for n, t in timings.items() if isinstance(t, float)}
+    best = min(ok, key=ok.__getitem__)
+    if best != "unfused" and ok[best] > _MIN_GAIN * ok["unfused"]:
+        best = "unfused"
+    return best, timings
+
+
 def _choose_impl(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> str:
     """Pick the implementation for this (M, N, K, dtype): FLUXSERVE_GELU_IMPL forces one; "auto" (default)
-    times every candidate once on the real operands and keeps the fastest, so a mounted site never runs
-    slower than the unfused pair it replaces."""
+    checks and times every candidate once on the real operands and keeps the fastest, so a mounted site never
+    runs slower than the unfused pair it replaces (where nothing wins, it runs unfused)."""
     M, K = x2d.shape
     key = (M, weight.shape[0], K, x2d.dtype, x2d.device.index)
     name = _gelu_choice.get(key)
+    if torch.compiler.is_compiling():
+        return name if name in _TRACEABLE else "cublaslt"
     if name is not None:
         return name
     forced = os.environ.get("FLUXSERVE_GELU_IMPL", "auto")
@@ -86,12 +134,13 @@ def _choose_impl(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
         if forced not in GELU_IMPLS:
             raise ValueError(f"FLUXSERVE_GELU_IMPL={forced!r}: expected 'auto' or one of {sorted(GELU_IMPLS)}")
         name = forced
-    elif torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
-        return "cublaslt"  # cannot time here; not cached so a later eager call still decides by timing
+    elif torch.cuda.is_current_stream_capturing():
+        return "cublaslt"  # cannot time inside a graph capture; not cached, so a later eager call decides
     else:
-        timings = {n: _time_impl(lambda f=f: f(x2d, weight, bias)) for n, f in GELU_IMPLS.items()}
-        name = min(timings, key=timings.__getitem__)
-        logger.info("fused GELU dispatch %s -> %s (%s)", key, name, {n: f"{t * 1e3:.1f}us" for n, t in timings.items()})
+        name, timings = _decide_by_timing(x2d, weight, bias)
+        _gelu_timings[key] = timings
+        shown = {n: f"{t * 1e3:.1f}us" if isinstance(t, float) else t for n, t in timings.items()}
+        logger.info("fused GELU dispatch %s -> %s (%s)", key, name, shown)
     _gelu_choice[key] = name
     return name
 

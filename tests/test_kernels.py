@@ -447,3 +447,30 @@ def test_triton_kernel_indexing_in_the_interpreter():
         [sys.executable, "-c", _INTERPRET_PROBE], env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0 and "OK 12" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_gelu_dispatch_picks_fastest_correct_impl_with_margin(monkeypatch):
+    """The per-shape decision logic, with the timer replaced (CUDA events do not exist on CPU)."""
+    layer = _linear(torch.float32)
+    x2d = torch.randn(6, 8)
+    exact = G._unfused
+
+    def wrong(x, w, b):
+        return exact(x, w, b) * 1.5
+
+    def broken(x, w, b):
+        raise RuntimeError("no such kernel")
+
+    impls = {"unfused": exact, "slightly_faster": lambda *a: exact(*a), "wrong_but_fast": wrong, "broken": broken}
+    fake_ms = {"unfused": 1.0, "slightly_faster": 0.995, "wrong_but_fast": 0.1}
+    monkeypatch.setattr(G, "GELU_IMPLS", impls)
+    name_of = {f: n for n, f in impls.items()}
+    # _decide_by_timing times `lambda f=impl: f(...)`: recover which impl a thunk runs from its default
+    monkeypatch.setattr(G, "_time_impl", lambda thunk: fake_ms[name_of[thunk.__defaults__[0]]])
+    best, timings = G._decide_by_timing(x2d, layer.weight, layer.bias)
+    assert best == "unfused"  # 0.5% faster is inside the noise margin
+    assert timings["wrong_but_fast"].startswith("rejected") and timings["broken"].startswith("failed")
+
+    fake_ms["slightly_faster"] = 0.9
+    best, _ = G._decide_by_timing(x2d, layer.weight, layer.bias)
+    assert best == "slightly_faster"
