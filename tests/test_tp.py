@@ -123,6 +123,22 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
         res[name] = {"ok": ok, "local_ok": report.ok, "mounted": mounted, "results": out,
                      "left_mounted": len(kgelu.mounted_sites(worker.pipe.transformer))}
 
+    # Cancel on one rank (from inside its first transformer call): both ranks stop after the same step.
+    from model.pipeline import GenerationCancelled
+
+    handle = None
+    if rank == 1:
+        handle = worker.pipe.transformer.register_forward_pre_hook(lambda *_: worker.cancel())
+    try:
+        worker.generate(_requests("lossless"))
+        res["cancel"] = "not cancelled"
+    except GenerationCancelled as exc:
+        res["cancel"] = str(exc)
+    finally:
+        if handle is not None:
+            handle.remove()
+    res["after_cancel"] = worker.generate(_requests("lossless"))
+
     # Transformer level: ours and diffusers' (the eager reference), same checkpoint, TP=1 then TP=2.
     ref_tp1 = _forward(full, torch.float32)
     eager = FluxTransformer2DModel.from_pretrained(Path(tiny_path) / "transformer", torch_dtype=torch.float32)
@@ -360,6 +376,15 @@ def test_mount_all_or_nothing_across_ranks(tp_run: dict) -> None:
             assert torch.equal(a.latents, b.latents), name
     assert tp_run[0]["high_mixed"]["local_ok"] is True  # rank 0 alone accepted, then backed out
     assert tp_run[1]["high_mixed"]["local_ok"] is False
+
+
+def test_cancel_on_one_rank_stops_all_at_the_same_step(tp_run: dict) -> None:
+    import torch
+
+    assert tp_run[0]["cancel"] == tp_run[1]["cancel"] == "cancelled after step 1 of 3"
+    # The next batch runs normally (the flag is per batch) and reproduces the first one.
+    for a, b in zip(tp_run[0]["after_cancel"], tp_run[0]["lossless"]):
+        assert torch.equal(a.latents, b.latents)
 
 
 def test_missing_rank_errors_within_timeout(tp_run: dict) -> None:
