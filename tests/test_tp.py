@@ -59,11 +59,13 @@ def _transformer_inputs(model, dtype):
     )
 
 
-def _forward(model, dtype):
+def _forward(model, dtype, device: str = "cpu"):
     import torch
 
+    inputs = _transformer_inputs(model, dtype)
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     with torch.no_grad():
-        return model(**_transformer_inputs(model, dtype))[0]
+        return model(**inputs)[0].cpu()
 
 
 def _check_missing_rank(rank: int, res: dict) -> None:
