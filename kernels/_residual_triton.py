@@ -11,15 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
-# Memory-bound elementwise kernel: a few tile shapes, picked per (B, S, D) once by Triton's autotuner.
-# Re-running the kernel while tuning is harmless: it is out of place.
+# Tile shapes swept by bench/kernels.py. On an H200 (torch 2.11, triton 3.6) all ran within noise of each other
+# on the FLUX shapes (19.2-19.6 us at (1,4096,3072) bf16); Triton's autotuner wrapper cost ~30 us of host time
+# per call for nothing, so the kernel launches with one fixed tile (DEFAULT_CONFIG).
 _CONFIGS = [
     triton.Config({"BLOCK_S": bs, "BLOCK_D": bd}, num_warps=w)
     for bs, bd, w in [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (4, 1024, 8), (8, 512, 4), (8, 1024, 8)]
 ]
+DEFAULT_CONFIG = {"BLOCK_S": 1, "BLOCK_D": 1024, "num_warps": 4}
 
 
-@triton.autotune(configs=_CONFIGS, key=["B", "S", "D"])
 @triton.jit
 def _residual_gate_add_kernel(
     r_ptr,
@@ -60,18 +61,15 @@ def launch(
 ) -> torch.Tensor:
     """residual/update: contiguous [B, S, D]; gate3: [B, 1, D] view (batch stride any, last stride 1).
 
-    config ({"BLOCK_S", "BLOCK_D", "num_warps"}) bypasses the autotuner: for benchmarks and the interpreter.
+    config: {"BLOCK_S", "BLOCK_D", "num_warps"}; DEFAULT_CONFIG when None.
     """
     B, S, D = residual.shape
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     use_int64 = residual.numel() >= 2**31 - 1 or gate3.stride(0) * B >= 2**31 - 1
 
-    def grid(meta: dict) -> tuple[int, int, int]:
-        return (triton.cdiv(S, meta["BLOCK_S"]), triton.cdiv(D, meta["BLOCK_D"]), B)
-
-    args = (residual, update, gate3, out, B, S, D, gate3.stride(0))
-    if config is None:
-        _residual_gate_add_kernel[grid](*args, USE_INT64=use_int64, enable_fp_fusion=False)
-    else:
-        _residual_gate_add_kernel.fn[grid](*args, USE_INT64=use_int64, enable_fp_fusion=False, **config)
+    cfg = DEFAULT_CONFIG if config is None else config
+    grid = (triton.cdiv(S, cfg["BLOCK_S"]), triton.cdiv(D, cfg["BLOCK_D"]), B)
+    _residual_gate_add_kernel[grid](
+        residual, update, gate3, out, B, S, D, gate3.stride(0), USE_INT64=use_int64, enable_fp_fusion=False, **cfg
+    )
     return out

@@ -1,0 +1,65 @@
+"""RoPE for FLUX attention, optionally fused with the [text; image] concatenation (lossless: bit-exact).
+
+`rope_cat(txt, img, cos, sin)` == `apply_rope_eager(torch.cat([txt, img], dim=1), cos, sin)` bit for bit: one Triton
+pass reads both streams and writes the joint rotated tensor (eager: a cat plus ~8 elementwise passes with fp32
+temporaries). Used for q and k; `txt=None` is plain RoPE (single-stream blocks). Guarded by `ExactGate`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .exact import ExactGate, Signature, tensor_signature
+
+GATE = ExactGate("rope_cat")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def apply_rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' `apply_rotary_emb(x, (cos, sin), sequence_dim=1)`: x [B, S, H, D], tables [S, D].
+
+    Interleaved pairs (x0, x1) -> (-x1, x0); fp32 math, one rounding to x's dtype at the end.
+    """
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+
+
+def rope_cat_eager(txt: torch.Tensor | None, img: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x = img if txt is None else torch.cat([txt, img], dim=1)
+    return apply_rope_eager(x, cos, sin)
+
+
+def _signature(txt: torch.Tensor | None, img: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Signature | None:
+    """The gate key, or None where the kernel does not apply (CPU, autograd, odd layouts)."""
+    if img.device.type != "cuda" or img.dim() != 4 or img.dtype not in _FLOATS:
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (txt, img, cos, sin)):
+        return None
+    B, I, H, D = img.shape
+    operands = [img] if txt is None else [txt, img]
+    for t in operands:
+        if t.dtype != img.dtype or t.device != img.device or t.shape[0] != B or t.shape[2:] != (H, D):
+            return None
+        if t.stride(3) != 1 or t.stride(2) != D:  # (H, D) must be one contiguous row per token
+            return None
+    S = I + (0 if txt is None else txt.shape[1])
+    for t in (cos, sin):
+        if t.dtype != torch.float32 or t.device != img.device or t.shape != (S, D) or not t.is_contiguous():
+            return None
+    if D % 2 or B * S * H * D == 0:
+        return None
+    return tensor_signature(*operands, cos, sin) + ((txt is None),)
+
+
+def rope_cat(txt: torch.Tensor | None, img: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of `cat([txt, img], dim=1)` (or of `img` alone), == `rope_cat_eager` bit for bit."""
+
+    def fast() -> torch.Tensor:
+        from . import _lossless_triton
+
+        return _lossless_triton.rope_cat(txt, img, cos, sin)
+
+    return GATE.run(_signature(txt, img, cos, sin), fast, lambda: rope_cat_eager(txt, img, cos, sin))
