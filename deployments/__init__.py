@@ -1,0 +1,1 @@
+"""Ray Serve deployments of fluxserve: the FastAPI ingress and the FluxReplica pools."""

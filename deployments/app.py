@@ -1,0 +1,59 @@
+"""Builder for `serve run serve_config.yaml` (import_path: deployments.app:build_app).
+
+Wiring lives here; sizing (replicas, autoscaling, actor options) lives in the YAML `deployments:`
+entries, which override these defaults by deployment name ("Ingress", "lossless", "high").
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ray.serve import Application
+
+from deployments.config import QUALITIES, AppArgs, PoolArgs
+from deployments.ingress import Ingress
+from deployments.replica import FluxReplica
+
+
+def model_name(args: AppArgs) -> str:
+    """Name reported by /v1/models: the preset, or the checkpoint folder's name."""
+    return "flux-" + os.path.basename(os.path.normpath(args.model)) if os.sep in args.model else args.model
+
+
+def pool_options(pool: str, p: PoolArgs, args: AppArgs) -> dict[str, Any]:
+    """Deployment options a pool needs for its TP degree."""
+    opts: dict[str, Any] = {
+        "name": pool,
+        # A replica must be able to hold a full batch, or @serve.batch never fills one.
+        "max_ongoing_requests": max(2 * args.max_batch_size, 4),
+    }
+    if p.tp > 1:
+        # One bundle per rank; the coordinator actor sits in bundle 0 and takes no CPU of its own.
+        opts["placement_group_bundles"] = [dict(p.rank_resources) for _ in range(p.tp)]
+        opts["placement_group_strategy"] = "STRICT_PACK"
+        opts["ray_actor_options"] = {"num_cpus": 0}
+    return opts
+
+
+def build_app(
+    raw_args: dict[str, Any], deployment_options: dict[str, dict[str, Any]] | None = None
+) -> Application:
+    """Parse the YAML args and bind the ingress to the two pools.
+
+    deployment_options: per-deployment `.options()` for Python callers (tests, benches) that deploy with
+    `serve.run` instead of a config file; `serve run serve_config.yaml` uses the YAML `deployments:` instead.
+    """
+    args = AppArgs.parse(raw_args)
+    plain = args.to_dict()
+    extra = deployment_options or {}
+    unknown = set(extra) - {"Ingress", *QUALITIES}
+    if unknown:
+        raise ValueError(f"deployment_options: unknown deployment(s) {sorted(unknown)}")
+    pools = {
+        q: FluxReplica.options(**{**pool_options(q, args.pools[q], args), **extra.get(q, {})}).bind(q, plain)
+        for q in QUALITIES
+    }
+    return Ingress.options(**extra.get("Ingress", {})).bind(
+        pools["lossless"], pools["high"], plain, model_name(args)
+    )

@@ -1,0 +1,233 @@
+"""FastAPI ingress: validates, routes by `quality` to the pool's DeploymentHandle, maps failures to JSON.
+
+Every accepted request ends in exactly one response: the image(s), or a 4xx/5xx JSON error with a
+reason. A deadline (`request_timeout_s`, or the request's smaller `timeout_s`) bounds the wait; on
+expiry the pool calls are cancelled, so the replica stops the batch between steps.
+"""
+
+# No `from __future__ import annotations` here: FastAPI (through serve.ingress) needs real annotations.
+
+import asyncio
+import base64
+import logging
+import time
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
+from ray.serve.handle import DeploymentHandle
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from deployments.config import QUALITIES, AppArgs
+from deployments.replica import GenerationFailed, PoolUnavailable
+from deployments.schema import BadRequest, ImageRequest, ImageResponse, validate
+
+logger = logging.getLogger("ray.serve")
+
+api = FastAPI(
+    title="fluxserve",
+    version="0.1.0",
+    description="FLUX.1 text-to-image: a bit-exact `lossless` pool and a fused `high` pool.",
+)
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": type_, "param": param}}
+    )
+
+
+@api.exception_handler(RequestValidationError)
+async def _on_invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+    # FastAPI's default is a 422 with pydantic internals; answer like OpenAI: 400 and one readable reason.
+    errs = exc.errors()
+    first = errs[0] if errs else {}
+    if first.get("type") == "json_invalid":
+        return _error(400, f"malformed JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}",
+                      "invalid_request_error")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "missing":
+        msg = f"missing required field {param!r}"
+    elif first.get("type") == "extra_forbidden":
+        msg = f"unknown field {param!r}"
+    elif first.get("type") in ("model_attributes_type", "dict_type"):
+        msg = "request body must be a JSON object"
+    else:
+        msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid body")
+    return _error(400, msg, "invalid_request_error", param)
+
+
+# Helpers sit above the deployment class: @serve.deployment serializes the class when it is
+# defined, so module globals it uses must already exist.
+def _cancel(responses: list) -> None:
+    for r in responses:
+        try:
+            r.cancel()
+        except Exception:  # already finished or failed: nothing to cancel
+            pass
+
+
+def _reason(e: BaseException) -> str:
+    # RayTaskError wraps the remote traceback; the first line of the cause is the useful reason.
+    cause = getattr(e, "cause", None) or e
+    text = str(cause).strip().splitlines()
+    return text[-1] if text else type(cause).__name__
+
+
+@serve.deployment(max_ongoing_requests=64)
+@serve.ingress(api)
+class Ingress:
+    def __init__(
+        self, lossless: DeploymentHandle, high: DeploymentHandle, args: dict[str, Any], model_name: str
+    ) -> None:
+        self.args = AppArgs.parse(args)
+        self.model_name = model_name
+        self.pools: dict[str, DeploymentHandle] = {"lossless": lossless, "high": high}
+        self.m_requests = Counter(
+            "fluxserve_requests",
+            description="Image requests by pool and HTTP status.",
+            tag_keys=("pool", "status"),
+        )
+        self.m_latency = Histogram(
+            "fluxserve_request_latency_s",
+            description="End-to-end latency at the ingress (seconds), successful requests.",
+            boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300],
+            tag_keys=("pool",),
+        )
+        self.m_inflight = Gauge(
+            "fluxserve_in_flight", description="Requests in flight per pool.", tag_keys=("pool",)
+        )
+        self._inflight = {q: 0 for q in QUALITIES}
+        for q in QUALITIES:
+            self.m_inflight.set(0, tags={"pool": q})
+
+    @api.get("/healthz")
+    async def healthz(self) -> dict[str, Any]:
+        """Liveness of the ingress; pool replicas are health-checked by Serve itself."""
+        return {"status": "ok", "model": self.model_name, "pools": list(self.pools)}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "owned_by": "fluxserve",
+                    "qualities": list(QUALITIES),
+                    "tp": {q: self.args.pools[q].tp for q in QUALITIES},
+                }
+            ],
+        }
+
+    @api.post(
+        "/v1/images/generations",
+        response_model=ImageResponse,
+        responses={
+            200: {"content": {"image/png": {}}, "description": "JSON, or a PNG with `Accept: image/png` and n == 1"},
+            400: {"description": "invalid request (reason in error.message)"},
+            500: {"description": "generation failed"},
+            503: {"description": "pool unavailable or overloaded"},
+            504: {"description": "deadline exceeded"},
+        },
+    )
+    async def generations(self, body: ImageRequest, request: Request) -> Any:
+        try:
+            v = validate(body, self.args, self.model_name)
+        except BadRequest as e:
+            self.m_requests.inc(tags={"pool": body.quality if body.quality in QUALITIES else "none",
+                                      "status": "400"})
+            return _error(400, e.message, "invalid_request_error", e.param)
+        wants_png = "image/png" in request.headers.get("accept", "")
+        if wants_png and len(v.jobs) != 1:
+            self.m_requests.inc(tags={"pool": body.quality, "status": "400"})
+            return _error(400, "Accept: image/png needs n == 1 (use JSON b64_json for several images)",
+                          "invalid_request_error", "n")
+        pool = body.quality
+        t0 = time.perf_counter()
+        self._inflight[pool] += 1
+        self.m_inflight.set(self._inflight[pool], tags={"pool": pool})
+        try:
+            status, payload = await self._dispatch(pool, v.jobs, v.timeout_s)
+        finally:
+            self._inflight[pool] -= 1
+            self.m_inflight.set(self._inflight[pool], tags={"pool": pool})
+        self.m_requests.inc(tags={"pool": pool, "status": str(status)})
+        if status != 200:
+            return payload
+        results: list[dict[str, Any]] = payload
+        elapsed = time.perf_counter() - t0
+        self.m_latency.observe(elapsed, tags={"pool": pool})
+        first = v.jobs[0]
+        timings = {"ingress_total_s": elapsed}
+        for r in results:  # the slowest image bounds the request; report its replica timings
+            for k, val in r["timings"].items():
+                timings[k] = max(timings.get(k, 0.0), val)
+        if wants_png:
+            r = results[0]
+            return Response(
+                content=r["png"],
+                media_type="image/png",
+                headers={
+                    "X-Seed": str(r["seed"]),
+                    "X-Pool": r["pool"],
+                    "X-Quality": r["quality"],
+                    "X-Mounted-Sites": str(r["mounted_sites"]),
+                    "X-Total-Time-S": f"{elapsed:.4f}",
+                },
+            )
+        return {
+            "created": int(time.time()),
+            "data": [{"b64_json": base64.b64encode(r["png"]).decode(), "seed": r["seed"]} for r in results],
+            "model": self.model_name,
+            "quality": results[0]["quality"],
+            "pool": results[0]["pool"],
+            "seeds": [r["seed"] for r in results],
+            "mounted_sites": max(r["mounted_sites"] for r in results),
+            "size": v.size,
+            "steps": first.steps,
+            "guidance": first.guidance,
+            "timings": timings,
+            "batch_sizes": [r["batch_size"] for r in results],
+            "queued_together": [r["queued_together"] for r in results],
+        }
+
+    async def _dispatch(self, pool: str, jobs: list, timeout_s: float) -> tuple[int, Any]:
+        """Send each image to the pool; (200, results) or (status, JSONResponse)."""
+        handle = self.pools[pool]
+        responses = [handle.generate.remote(j) for j in jobs]
+
+        async def _gather() -> list[dict[str, Any]]:
+            return list(await asyncio.gather(*responses))
+
+        try:
+            return 200, await asyncio.wait_for(_gather(), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            _cancel(responses)
+            return 504, _error(504, f"deadline of {timeout_s:g} s exceeded in pool {pool!r}; the request "
+                                    "was cancelled", "timeout")
+        except asyncio.CancelledError:  # the HTTP client went away: stop the work it asked for
+            _cancel(responses)
+            raise
+        except BadRequest as e:
+            _cancel(responses)
+            return 400, _error(400, e.message, "invalid_request_error", e.param)
+        except (PoolUnavailable, BackPressureError, ray.exceptions.ActorDiedError,
+                ray.exceptions.ActorUnavailableError, RequestCancelledError) as e:
+            _cancel(responses)
+            logger.warning("pool %s unavailable: %r", pool, e)
+            return 503, _error(503, f"pool {pool!r} unavailable: {_reason(e)}", "unavailable")
+        except GenerationFailed as e:
+            _cancel(responses)
+            return 500, _error(500, f"generation failed in pool {pool!r}: {_reason(e)}", "server_error")
+        except Exception as e:  # anything else still gets a JSON answer, never a hang or a drop
+            _cancel(responses)
+            logger.exception("pool %s: unexpected error", pool)
+            return 500, _error(500, f"internal error in pool {pool!r}: {type(e).__name__}: {_reason(e)}",
+                               "server_error")

@@ -1,0 +1,155 @@
+"""Request/response models of the HTTP API and the checks the ingress applies before routing.
+
+The pydantic model checks JSON types (strict: "4" is not an int) and documents the API in OpenAPI;
+the limits that depend on the deployment (sizes, steps, n, prompt length) are checked in `validate`
+so they can come from serve_config.yaml.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
+
+from deployments.config import QUALITIES, AppArgs
+
+SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed accepts 64-bit seeds; stay signed for JSON clients
+_SIZE_RE = re.compile(r"^([0-9]{1,6})x([0-9]{1,6})$")
+
+
+class ImageRequest(BaseModel):
+    """OpenAI-style `POST /v1/images/generations` body plus fluxserve fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: StrictStr = Field(description="Text prompt (non-empty).")
+    n: StrictInt = Field(1, description="Number of images; image i uses seed + i.")
+    size: StrictStr | None = Field(None, description='"WxH", both multiples of 16; default from config.')
+    quality: StrictStr = Field(
+        "lossless",
+        description="lossless: byte-identical to diffusers; high: fused GELU epilogues (faster, not bit-exact).",
+        json_schema_extra={"enum": list(QUALITIES)},
+    )
+    steps: StrictInt | None = Field(None, description="Denoising steps; default from config.")
+    guidance: StrictFloat | StrictInt | None = Field(None, description="Guidance scale; default from config.")
+    seed: StrictInt | None = Field(None, description="Seed of the first image; random (and reported) if absent.")
+    response_format: Literal["b64_json"] = Field("b64_json", description="Only b64_json is served.")
+    model: StrictStr | None = Field(None, description="Accepted for OpenAI clients; must match /v1/models if set.")
+    timeout_s: StrictFloat | StrictInt | None = Field(
+        None, description="Per-request deadline (seconds), at most the server's request_timeout_s."
+    )
+    user: StrictStr | None = Field(None, description="Ignored; accepted for OpenAI clients.")
+
+
+class ImageDatum(BaseModel):
+    b64_json: str
+    seed: int
+
+
+class ImageResponse(BaseModel):
+    created: int
+    data: list[ImageDatum]
+    model: str
+    quality: str
+    pool: str
+    seeds: list[int]
+    mounted_sites: int
+    size: str
+    steps: int
+    guidance: float
+    timings: dict[str, float]
+    batch_sizes: list[int]  # per image: requests in the pipeline call that generated it
+    queued_together: list[int]  # per image: compatible requests collected in its @serve.batch call
+
+
+class BadRequest(Exception):
+    """An invalid request: becomes a 400 with `param` and `message`."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Job:
+    """One image for one pool replica (a request with n images becomes n jobs, seeds seed..seed+n-1)."""
+
+    prompt: str
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    seed: int
+    quality: str
+
+    def batch_key(self) -> tuple[int, int, int, float, str]:
+        """Only jobs with equal keys may share one pipeline.generate call."""
+        return (self.height, self.width, self.steps, self.guidance, self.quality)
+
+
+@dataclass(frozen=True)
+class Validated:
+    jobs: list[Job]
+    timeout_s: float
+    size: str
+
+
+def parse_size(size: str, args: AppArgs) -> tuple[int, int]:
+    """'WxH' -> (height, width) within the configured limits."""
+    lim = args.limits
+    m = _SIZE_RE.match(size)
+    if not m:
+        raise BadRequest("size", f'size must be "WxH" with integer W and H (e.g. "256x256"), got {size!r}')
+    width, height = int(m.group(1)), int(m.group(2))
+    if width % lim.size_multiple or height % lim.size_multiple:
+        raise BadRequest("size", f"size {size}: width and height must be multiples of {lim.size_multiple}")
+    if min(width, height) < lim.min_side:
+        raise BadRequest("size", f"size {size} is too small: each side must be >= {lim.min_side}")
+    if max(width, height) > lim.max_side:
+        raise BadRequest("size", f"size {size} is too large: each side must be <= {lim.max_side}")
+    if width * height > lim.max_pixels:
+        raise BadRequest("size", f"size {size} is too large: at most {lim.max_pixels} pixels")
+    return height, width
+
+
+def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
+    """Apply the deployment's limits and defaults; raise BadRequest with the first problem found."""
+    lim = args.limits
+    if req.quality not in QUALITIES:
+        raise BadRequest("quality", f"unknown quality {req.quality!r}; expected one of {list(QUALITIES)}")
+    if not req.prompt.strip():
+        raise BadRequest("prompt", "prompt must not be empty")
+    if len(req.prompt) > lim.max_prompt_chars:
+        raise BadRequest(
+            "prompt", f"prompt is too long: {len(req.prompt)} characters, at most {lim.max_prompt_chars}"
+        )
+    if not 1 <= req.n <= lim.max_n:
+        raise BadRequest("n", f"n must be between 1 and {lim.max_n}, got {req.n}")
+    steps = args.default_steps if req.steps is None else req.steps
+    if not lim.min_steps <= steps <= lim.max_steps:
+        raise BadRequest("steps", f"steps must be between {lim.min_steps} and {lim.max_steps}, got {steps}")
+    guidance = float(args.default_guidance if req.guidance is None else req.guidance)
+    if not 0.0 <= guidance <= lim.max_guidance:
+        raise BadRequest("guidance", f"guidance must be between 0 and {lim.max_guidance}, got {guidance}")
+    size = args.default_size if req.size is None else req.size
+    height, width = parse_size(size, args)
+    if req.seed is not None and not 0 <= req.seed <= SEED_MAX - (req.n - 1):
+        raise BadRequest("seed", f"seed must be between 0 and {SEED_MAX - (req.n - 1)}, got {req.seed}")
+    seed = secrets.randbelow(2**31) if req.seed is None else req.seed
+    if req.model is not None and req.model != model_name:
+        raise BadRequest("model", f"unknown model {req.model!r}; this server serves {model_name!r}")
+    timeout_s = args.request_timeout_s
+    if req.timeout_s is not None:
+        if not 0 < req.timeout_s <= args.request_timeout_s:
+            raise BadRequest(
+                "timeout_s", f"timeout_s must be > 0 and <= {args.request_timeout_s}, got {req.timeout_s}"
+            )
+        timeout_s = float(req.timeout_s)
+    jobs = [
+        Job(req.prompt, height, width, steps, guidance, seed + i, req.quality) for i in range(req.n)
+    ]
+    return Validated(jobs=jobs, timeout_s=timeout_s, size=f"{width}x{height}")

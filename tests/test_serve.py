@@ -1,0 +1,483 @@
+"""Ray Serve product tests: a real local Ray Serve on CPU with the tiny preset.
+
+One Ray per test session (fixture `serve_app`): it deploys the app once with short autoscaling and
+health-check periods. The `serve run serve_config.yaml` smoke test runs first, in its own Ray (a
+subprocess), before the session's Ray starts, so the two never compete for the 2 cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import io
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+requests = pytest.importorskip("requests")
+httpx = pytest.importorskip("httpx")
+
+pytestmark = [pytest.mark.serve, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+APP = "fluxserve"
+
+
+def _tp_available() -> bool:
+    try:
+        import tp.worker  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+TP_HIGH = 2 if _tp_available() else 1
+
+
+def _ray_env(tmp_root: str) -> dict[str, str]:
+    """Environment for a test-owned Ray: no usage stats, token auth on but its token kept out of $HOME,
+    short session dir (unix-socket path limit), autoscaling metrics pushed often enough for a test."""
+    return {
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "RAY_TMPDIR": tmp_root,
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _md5(b: bytes) -> str:
+    return hashlib.md5(b).hexdigest()
+
+
+def _direct_png(pipe: Any, **kw: Any) -> bytes:
+    from model.pipeline import GenerationRequest
+
+    return pipe.generate([GenerationRequest(**kw)])[0].png
+
+
+# --------------------------------------------------------------------------------------------------
+# Smoke: the README's main command, in its own Ray, over HTTP on 127.0.0.1.
+# --------------------------------------------------------------------------------------------------
+
+
+def test_serve_run_config_smoke(fluxserve_cache: Path, tiny_path: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="rs", dir="/tmp") as rt:
+        env = {**os.environ, **_ray_env(rt), "FLUXSERVE_CACHE": str(fluxserve_cache)}
+        env.pop("RAY_ADDRESS", None)
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).with_name("serve")), "run", "serve_config.yaml"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log = io.BytesIO()
+        try:
+            deadline = time.time() + 150
+            r = None
+            while time.time() < deadline:
+                assert proc.poll() is None, "serve run exited early"
+                try:
+                    r = requests.post(
+                        "http://127.0.0.1:8000/v1/images/generations",
+                        json={"prompt": "a red fox", "seed": 3},
+                        headers={"Accept": "image/png"}, timeout=30,
+                    )
+                    if r.status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    pass
+                time.sleep(1)
+            assert r is not None and r.status_code == 200, getattr(r, "text", "no answer")
+            assert r.headers["content-type"] == "image/png"
+            from PIL import Image
+
+            img = Image.open(io.BytesIO(r.content))
+            assert img.size == (256, 256)
+            assert r.headers["X-Seed"] == "3" and r.headers["X-Pool"] == "lossless"
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                out, _ = proc.communicate(timeout=60)
+                log.write(out or b"")
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                pytest.fail("serve run did not stop within 60 s of SIGINT")
+        assert proc.returncode is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# Session app
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def serve_app(tiny_path: Path, tiny_pipe: Any):
+    rt = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    saved = {k: os.environ.get(k) for k in _ray_env(rt)}
+    os.environ.update(_ray_env(rt))
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    # Logical CPUs: ingress + 2 lossless replicas + high pool (TP ranks) + slack; 2 physical cores.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {
+        "model": str(tiny_path),
+        "max_batch_size": 4,
+        "batch_wait_timeout_s": 0.2,
+        "request_timeout_s": 60,
+        "limits": {"max_side": 1024, "max_pixels": 1024 * 1024, "max_steps": 60, "max_n": 4,
+                   "max_prompt_chars": 200},
+        "pools": {
+            "lossless": {"tp": 1, "cpu_threads": 1},
+            "high": {"tp": TP_HIGH, "cpu_threads": 1, "backend": "gloo", "rank_resources": {"CPU": 1}},
+        },
+    }
+    opts = {
+        "lossless": {
+            "autoscaling_config": {
+                "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
+                "target_ongoing_requests": 1, "upscale_delay_s": 0.5, "downscale_delay_s": 3,
+                "look_back_period_s": 2, "metrics_interval_s": 0.5,
+            },
+            "ray_actor_options": {"num_cpus": 1},
+        },
+        "high": {"num_replicas": 1, "health_check_period_s": 1, "health_check_timeout_s": 5},
+        "Ingress": {"ray_actor_options": {"num_cpus": 0.1}},
+    }
+    serve.run(build_app(args, opts), name=APP, route_prefix="/")
+    yield {"url": f"http://127.0.0.1:{port}", "pipe": tiny_pipe, "args": args}
+    serve.shutdown()
+    ray.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _post(app: dict, body: Any, raw: bool = False, headers: dict | None = None, timeout: float = 60):
+    url = app["url"] + "/v1/images/generations"
+    if raw:
+        return requests.post(url, data=body, headers={"Content-Type": "application/json", **(headers or {})},
+                             timeout=timeout)
+    return requests.post(url, json=body, headers=headers or {}, timeout=timeout)
+
+
+def _pool_stats(pool: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(pool, app_name=APP).stats.remote().result(timeout_s=30)
+
+
+# --------------------------------------------------------------------------------------------------
+# Routing and results
+# --------------------------------------------------------------------------------------------------
+
+
+def test_lossless_routes_to_lossless_pool_and_equals_direct_pipeline(serve_app: dict) -> None:
+    r = _post(serve_app, {"prompt": "a lighthouse at dusk", "seed": 11, "size": "256x256", "steps": 4})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["pool"] == "lossless" and body["quality"] == "lossless"
+    assert body["seeds"] == [11] and body["data"][0]["seed"] == 11
+    assert body["mounted_sites"] == 0
+    assert body["size"] == "256x256" and body["steps"] == 4
+    assert body["timings"]["ingress_total_s"] > 0
+    png = base64.b64decode(body["data"][0]["b64_json"])
+    direct = _direct_png(serve_app["pipe"], prompt="a lighthouse at dusk", height=256, width=256, steps=4,
+                         guidance=3.5, seed=11, quality="lossless")
+    assert _md5(png) == _md5(direct)
+
+
+def test_high_routes_to_high_pool(serve_app: dict) -> None:
+    r = _post(serve_app, {"prompt": "a lighthouse at dusk", "seed": 11, "quality": "high"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["pool"] == "high" and body["quality"] == "high"
+    # CPU: the kernels' guards refuse every site (fused GELU is CUDA-only), so nothing is mounted.
+    assert body["mounted_sites"] == 0
+    stats = _pool_stats("high")
+    assert stats["pool"] == "high" and stats["tp"] == TP_HIGH and stats["images"] >= 1
+
+
+def test_png_accept_header_and_random_seed_reported(serve_app: dict) -> None:
+    r = _post(serve_app, {"prompt": "a cat"}, headers={"Accept": "image/png"})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "image/png" and r.content[:8] == b"\x89PNG\r\n\x1a\n"
+    seed = int(r.headers["X-Seed"])
+    direct = _direct_png(serve_app["pipe"], prompt="a cat", height=256, width=256, steps=4, guidance=3.5,
+                         seed=seed, quality="lossless")
+    assert _md5(r.content) == _md5(direct)
+
+
+def _png_of(body: dict, i: int = 0) -> bytes:
+    return base64.b64decode(body["data"][i]["b64_json"])
+
+
+def test_lossless_batch_is_invariant_equal_to_solo_requests(serve_app: dict) -> None:
+    # n=2 sends two jobs at once: one @serve.batch call collects both; the lossless pool then runs each
+    # alone (batch_invariant), so each image equals the same request served alone and the pipeline's.
+    r = _post(serve_app, {"prompt": "two boats", "n": 2, "seed": 100, "size": "128x128", "steps": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["seeds"] == [100, 101]
+    assert body["queued_together"] == [2, 2], "the two images were not collected into one batch"
+    assert body["batch_sizes"] == [1, 1]
+    for i, seed in enumerate((100, 101)):
+        solo = _post(serve_app, {"prompt": "two boats", "seed": seed, "size": "128x128", "steps": 3})
+        assert solo.status_code == 200 and solo.json()["queued_together"] == [1]
+        direct = _direct_png(serve_app["pipe"], prompt="two boats", height=128, width=128, steps=3,
+                             guidance=3.5, seed=seed, quality="lossless")
+        assert _md5(_png_of(body, i)) == _md5(_png_of(solo.json())) == _md5(direct)
+
+
+def test_high_pool_batches_with_per_request_seeds(serve_app: dict) -> None:
+    # The high pool runs compatible requests as one pipeline call; each image keeps its own seed, so it
+    # matches its solo run up to the batch's rounding (GEMMs round differently at batch 2 vs 1).
+    import numpy as np
+    from PIL import Image
+
+    r = _post(serve_app, {"prompt": "two boats", "n": 2, "seed": 7, "quality": "high", "size": "128x128",
+                          "steps": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["batch_sizes"] == [2, 2] and body["seeds"] == [7, 8]
+    imgs = [np.asarray(Image.open(io.BytesIO(_png_of(body, i))), dtype=np.int16) for i in range(2)]
+    for i, seed in enumerate((7, 8)):
+        direct = _direct_png(serve_app["pipe"], prompt="two boats", height=128, width=128, steps=3,
+                             guidance=3.5, seed=seed, quality="high")
+        ref = np.asarray(Image.open(io.BytesIO(direct)), dtype=np.int16)
+        assert np.abs(imgs[i] - ref).max() <= 2  # same seed: at most rounding-level pixel differences
+    assert np.abs(imgs[0] - imgs[1]).max() > 20  # different seeds: different images
+
+
+def test_incompatible_requests_do_not_share_a_generate_call(serve_app: dict) -> None:
+    async def both() -> list:
+        async with httpx.AsyncClient(timeout=60) as c:
+            url = serve_app["url"] + "/v1/images/generations"
+            return await asyncio.gather(
+                c.post(url, json={"prompt": "p", "seed": 5, "size": "128x128", "steps": 2}),
+                c.post(url, json={"prompt": "p", "seed": 5, "size": "128x128", "steps": 3}),
+                c.post(url, json={"prompt": "p", "seed": 5, "size": "128x64", "steps": 2}),
+            )
+
+    rs = asyncio.run(both())
+    for r, (h, w, steps) in zip(rs, [(128, 128, 2), (128, 128, 3), (64, 128, 2)]):
+        assert r.status_code == 200, r.text
+        assert r.json()["batch_sizes"] == [1]
+        direct = _direct_png(serve_app["pipe"], prompt="p", height=h, width=w, steps=steps, guidance=3.5,
+                             seed=5, quality="lossless")
+        assert _md5(base64.b64decode(r.json()["data"][0]["b64_json"])) == _md5(direct)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------------
+
+BAD = [
+    ({"prompt": "x", "quality": "ultra"}, "quality", "unknown quality 'ultra'"),
+    ({"prompt": "x", "size": "256"}, "size", 'size must be "WxH"'),
+    ({"prompt": "x", "size": "256x256x3"}, "size", 'size must be "WxH"'),
+    ({"prompt": "x", "size": "250x256"}, "size", "multiples of 16"),
+    ({"prompt": "x", "size": "2048x2048"}, "size", "too large"),
+    ({"prompt": "x", "size": "32x256"}, "size", "too small"),
+    ({"prompt": "x", "steps": 0}, "steps", "steps must be between 1 and 60"),
+    ({"prompt": "x", "steps": 61}, "steps", "steps must be between 1 and 60"),
+    ({"prompt": "x", "n": 0}, "n", "n must be between 1 and 4"),
+    ({"prompt": "x", "n": 5}, "n", "n must be between 1 and 4"),
+    ({"prompt": ""}, "prompt", "prompt must not be empty"),
+    ({"prompt": "   "}, "prompt", "prompt must not be empty"),
+    ({"prompt": "x" * 201}, "prompt", "prompt is too long: 201 characters, at most 200"),
+    ({"prompt": "x", "seed": -1}, "seed", "seed must be between 0"),
+    ({"prompt": "x", "guidance": -2}, "guidance", "guidance must be between 0"),
+    ({"prompt": "x", "timeout_s": 0}, "timeout_s", "timeout_s must be > 0"),
+    ({"prompt": "x", "model": "dall-e-3"}, "model", "unknown model 'dall-e-3'"),
+    ({"prompt": 5}, "prompt", "prompt: Input should be a valid string"),
+    ({"prompt": "x", "n": "2"}, "n", "n: Input should be a valid integer"),
+    ({"prompt": "x", "steps": 4.5}, "steps", "steps: Input should be a valid integer"),
+    ({"prompt": "x", "size": [256, 256]}, "size", "size: Input should be a valid string"),
+    ({"prompt": "x", "response_format": "url"}, "response_format", "response_format: Input should be"),
+    ({"prompt": "x", "colour": "red"}, "colour", "unknown field 'colour'"),
+    ({"n": 1}, "prompt", "missing required field 'prompt'"),
+    (["prompt"], None, "request body must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("body,param,message", BAD, ids=[f"bad{i}" for i in range(len(BAD))])
+def test_bad_input_is_400_with_reason(serve_app: dict, body: Any, param: str | None, message: str) -> None:
+    r = _post(serve_app, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert message in err["message"]
+    assert err["param"] == param
+    assert err["type"] == "invalid_request_error"
+
+
+def test_malformed_json_is_400(serve_app: dict) -> None:
+    r = _post(serve_app, b'{"prompt": "x", ', raw=True)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("malformed JSON body")
+
+
+def test_png_accept_with_n_above_one_is_400(serve_app: dict) -> None:
+    r = _post(serve_app, {"prompt": "x", "n": 2}, headers={"Accept": "image/png"})
+    assert r.status_code == 400
+    assert "needs n == 1" in r.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Service endpoints
+# --------------------------------------------------------------------------------------------------
+
+
+def test_health_models_openapi_metrics(serve_app: dict) -> None:
+    h = requests.get(serve_app["url"] + "/healthz", timeout=10)
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    m = requests.get(serve_app["url"] + "/v1/models", timeout=10).json()
+    assert m["data"][0]["qualities"] == ["lossless", "high"]
+    assert m["data"][0]["tp"] == {"lossless": 1, "high": TP_HIGH}
+    spec = requests.get(serve_app["url"] + "/openapi.json", timeout=10)
+    assert spec.status_code == 200
+    paths = spec.json()["paths"]
+    assert "/v1/images/generations" in paths and "post" in paths["/v1/images/generations"]
+    assert requests.get(serve_app["url"] + "/docs", timeout=10).status_code == 200
+    # Every deployment is healthy from Serve's point of view (an autoscaling pool may be resizing).
+    from ray import serve
+
+    app = serve.status().applications[APP]
+    assert app.status == "RUNNING"
+    statuses = {d: s.status for d, s in app.deployments.items()}
+    assert set(statuses) == {"Ingress", "lossless", "high"}
+    assert all(s in ("HEALTHY", "UPSCALING", "DOWNSCALING") for s in statuses.values()), statuses
+
+
+# --------------------------------------------------------------------------------------------------
+# Timeout with cancellation
+# --------------------------------------------------------------------------------------------------
+
+
+def test_deadline_gives_504_and_cancels_the_batch(serve_app: dict) -> None:
+    before = _pool_stats("lossless")["cancelled_batches"]
+    t0 = time.time()
+    # 1024^2 at 60 steps takes tens of seconds on the tiny model: the 1 s deadline expires mid-denoise.
+    r = _post(serve_app, {"prompt": "slow", "size": "1024x1024", "steps": 60, "timeout_s": 1})
+    assert r.status_code == 504, r.text
+    assert "deadline of 1 s exceeded" in r.json()["error"]["message"]
+    assert time.time() - t0 < 10
+    deadline = time.time() + 20
+    while time.time() < deadline and _pool_stats("lossless")["cancelled_batches"] == before:
+        time.sleep(0.5)
+    assert _pool_stats("lossless")["cancelled_batches"] == before + 1
+    # The replica is free again: a normal request is served promptly.
+    ok = _post(serve_app, {"prompt": "after", "seed": 1, "size": "128x128", "steps": 2}, timeout=30)
+    assert ok.status_code == 200
+
+
+# --------------------------------------------------------------------------------------------------
+# Autoscaling
+# --------------------------------------------------------------------------------------------------
+
+
+def _replicas(pool: str) -> int:
+    from ray import serve
+
+    d = serve.status().applications[APP].deployments[pool]
+    return int(d.replica_states.get("RUNNING", 0))
+
+
+def test_lossless_pool_scales_up_under_load_and_back(serve_app: dict) -> None:
+    assert _replicas("lossless") == 1
+    stop = time.time() + 60
+    seen_two = False
+
+    async def client(c: httpx.AsyncClient) -> None:
+        nonlocal seen_two
+        while not seen_two and time.time() < stop:
+            r = await c.post(serve_app["url"] + "/v1/images/generations",
+                             json={"prompt": "load", "size": "256x256", "steps": 8})
+            assert r.status_code == 200, r.text
+
+    async def watcher() -> None:
+        nonlocal seen_two
+        while not seen_two and time.time() < stop:
+            seen_two = _replicas("lossless") == 2
+            await asyncio.sleep(0.5)
+
+    async def drive() -> None:
+        async with httpx.AsyncClient(timeout=60) as c:
+            await asyncio.gather(watcher(), *[client(c) for _ in range(6)])
+
+    t0 = time.time()
+    asyncio.run(drive())
+    assert seen_two, "lossless pool never reached 2 replicas under load"
+    up_s = time.time() - t0
+    deadline = time.time() + 40
+    while time.time() < deadline and _replicas("lossless") != 1:
+        time.sleep(0.5)
+    assert _replicas("lossless") == 1, "lossless pool did not scale back to 1"
+    print(f"scaled 1->2 in {up_s:.1f}s")
+
+
+# --------------------------------------------------------------------------------------------------
+# Failure: a dead pool actor gives a 5xx JSON, then Serve replaces it
+# --------------------------------------------------------------------------------------------------
+
+
+def test_dead_high_pool_gives_5xx_json_then_recovers(serve_app: dict) -> None:
+    import ray
+
+    names = _actor_names("high")
+    # TP: kill rank 1 (the replica must notice through check_health); TP=1: kill the replica itself.
+    name = names["ranks"][1] if TP_HIGH > 1 else names["replica"]
+    victim = ray.get_actor(name, namespace=names["namespace"])
+
+    async def scenario() -> tuple:
+        async with httpx.AsyncClient(timeout=90) as c:
+            url = serve_app["url"] + "/v1/images/generations"
+            slow = asyncio.create_task(c.post(url, json={"prompt": "x", "quality": "high", "size": "512x512",
+                                                         "steps": 30}))
+            await asyncio.sleep(1.0)
+            ray.kill(victim, no_restart=True)
+            return await slow
+
+    r = asyncio.run(scenario())
+    assert r.status_code in (500, 503), r.text
+    err = r.json()["error"]
+    assert "pool 'high'" in err["message"]
+    deadline = time.time() + 60
+    ok = None
+    while time.time() < deadline:
+        ok = _post(serve_app, {"prompt": "x", "quality": "high", "size": "128x128", "steps": 2}, timeout=30)
+        if ok.status_code == 200:
+            break
+        assert ok.status_code in (500, 503), ok.text
+        time.sleep(1)
+    assert ok is not None and ok.status_code == 200, "high pool did not recover"
+
+
+def _actor_names(pool: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(pool, app_name=APP).actor_names.remote().result(timeout_s=10)
