@@ -188,6 +188,15 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
     x_local = torch.cat([x[:, rank * 8 : rank * 8 + 8], x[:, 16 + rank * 16 : 16 + rank * 16 + 16]], dim=1)
     with torch.no_grad():
         res["col_gathered"], res["row_out"], res["lin_out"] = col(x), row(x_local), lin(x)
+    # The plain constructor builds the same layer once given the shard's state dict.
+    col2 = ColumnParallelLinear(48, 40, tp_rank=rank, tp_size=WORLD, group=group, gather_output=True)
+    row2 = RowParallelLinear(48, 40, tp_rank=rank, tp_size=WORLD, group=group, input_blocks=[16, 32])
+    col2.load_state_dict(col.state_dict())
+    row2.load_state_dict(row.state_dict())
+    with torch.no_grad():
+        res["constructed_equal"] = torch.equal(col2(x), res["col_gathered"]) and torch.equal(
+            row2(x_local), res["row_out"]
+        )
     res["col_full_ok"] = all(torch.equal(a, b) for a, b in zip(col.full_weight(), (lin.weight, lin.bias)))
     res["row_full_ok"] = all(torch.equal(a, b) for a, b in zip(row.full_weight(), (lin.weight, lin.bias)))
     res["guard_gathered"] = kgelu.can_fuse_linear_gelu(col)
@@ -335,6 +344,7 @@ def test_parallel_layers_against_linear(tp_run: dict) -> None:
         torch.testing.assert_close(res["col_gathered"], res["lin_out"], rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(res["row_out"], res["lin_out"], rtol=1e-6, atol=1e-5)
         assert res["col_full_ok"] and res["row_full_ok"]
+        assert res["constructed_equal"]
     assert torch.equal(tp_run[0]["row_out"], tp_run[1]["row_out"])
 
 

@@ -43,6 +43,7 @@ class ColumnParallelLinear(nn.Module):
 
     `weight` / `bias` are this rank's shard, so `F.linear(x, weight, bias)` is the local output (what the fused
     GELU site protocol calls when the layer is mounted; the guard refuses gather_output=True at tp_size>1).
+    The constructor leaves the shard uninitialised (fill it with load_state_dict); `from_linear` slices a full layer.
     """
 
     # The local computation is exactly `x @ weight.T + bias`: the fused Linear+GELU path may replace it.
@@ -81,11 +82,12 @@ class ColumnParallelLinear(nn.Module):
     ) -> "ColumnParallelLinear":
         """This rank's shard of a full nn.Linear (rows [rank*n, (rank+1)*n) of W); the copy owns its storage, so
         the full weight can be freed."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.in_features, layer.out_features = linear.in_features, linear.out_features
-        layer.tp_rank, layer.tp_size, layer.group, layer.gather_output = tp_rank, tp_size, group, gather_output
-        n = layer.out_per_rank = _split_sizes(linear.out_features, tp_size, "out_features")
+        # Built on the meta device (no allocation), then given the real shard.
+        layer = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, tp_rank=tp_rank, tp_size=tp_size,
+            group=group, gather_output=gather_output, device="meta",
+        )
+        n = layer.out_per_rank
         rows = slice(tp_rank * n, (tp_rank + 1) * n)
         layer.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=linear.weight.requires_grad)
         layer.bias = (
@@ -122,6 +124,7 @@ class RowParallelLinear(nn.Module):
     proj_out takes cat([attn, mlp])); then rank r's input is [block0 shard r | block1 shard r | ...] and its
     weight columns are picked block by block in that order. None means one block of in_features.
     `bias` is stored on every rank (replicated, so a gather is local) but only rank 0 adds it (see module doc).
+    The constructor leaves the shard uninitialised (fill it with load_state_dict); `from_linear` slices a full layer.
     """
 
     def __init__(
@@ -138,11 +141,6 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self._setup(in_features, out_features, tp_rank, tp_size, group, input_blocks)
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-
-    def _setup(self, in_features, out_features, tp_rank, tp_size, group, input_blocks) -> None:
         self.in_features, self.out_features = in_features, out_features  # full sizes
         self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         blocks = [in_features] if input_blocks is None else [int(b) for b in input_blocks]
@@ -151,6 +149,8 @@ class RowParallelLinear(nn.Module):
         self.input_blocks = blocks
         self.block_per_rank = [_split_sizes(b, tp_size, "input block") for b in blocks]
         self.in_per_rank = sum(self.block_per_rank)
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
     def _local_columns(self) -> torch.Tensor:
         cols, offset = [], 0
@@ -169,9 +169,10 @@ class RowParallelLinear(nn.Module):
         group: dist.ProcessGroup | None = None,
         input_blocks: list[int] | tuple[int, ...] | None = None,
     ) -> "RowParallelLinear":
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._setup(linear.in_features, linear.out_features, tp_rank, tp_size, group, input_blocks)
+        layer = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, tp_rank=tp_rank, tp_size=tp_size,
+            group=group, input_blocks=input_blocks, device="meta",
+        )
         w = linear.weight.detach()
         cols = layer._local_columns().to(w.device)
         # index_select copies: the shard owns its storage.
