@@ -141,6 +141,20 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
             handle.remove()
     res["after_cancel"] = worker.generate(_requests("lossless"))
 
+    # Replicas that loaded different weights are refused on every rank (before sharding would hide it).
+    from tp.shard import check_replicas_identical
+
+    other = load_transformer(Path(tiny_path), torch.float32)
+    if rank == 1:
+        with torch.no_grad():
+            other.single_transformer_blocks[1].proj_out.bias[3] += 1e-3
+    try:
+        check_replicas_identical(other, group)
+        res["replicas_mismatch"] = "no error"
+    except RuntimeError as exc:
+        res["replicas_mismatch"] = str(exc)
+    del other
+
     # Transformer level: ours and diffusers' (the eager reference), same checkpoint, TP=1 then TP=2.
     ref_tp1 = _forward(full, torch.float32)
     eager = FluxTransformer2DModel.from_pretrained(Path(tiny_path) / "transformer", torch_dtype=torch.float32)
@@ -397,6 +411,12 @@ def test_cancel_on_one_rank_stops_all_at_the_same_step(tp_run: dict) -> None:
     # The next batch runs normally (the flag is per batch) and reproduces the first one.
     for a, b in zip(tp_run[0]["after_cancel"], tp_run[0]["lossless"]):
         assert torch.equal(a.latents, b.latents)
+
+
+def test_ranks_with_different_weights_are_refused(tp_run: dict) -> None:
+    for r in range(WORLD):
+        msg = tp_run[r]["replicas_mismatch"]
+        assert "rank 1 holds different weights" in msg and "single_transformer_blocks.1.proj_out.bias" in msg, msg
 
 
 def test_missing_rank_errors_within_timeout(tp_run: dict) -> None:

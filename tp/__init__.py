@@ -3,7 +3,7 @@ transformer, cross-rank all-or-nothing GELU mounting, and the per-rank worker (`
 
 from .dist import default_backend, find_free_port, init_tp, shutdown_tp
 from .layers import ColumnParallelLinear, RowParallelLinear, all_reduce_sum
-from .shard import TPInfo, gather_full_state_dict, mount_all_ranks, shard_flux_transformer, tp_info
+from .shard import TPInfo, check_replicas_identical, gather_full_state_dict, mount_all_ranks, shard_flux_transformer, tp_info
 
 __all__ = [
     "ColumnParallelLinear",
@@ -11,6 +11,7 @@ __all__ = [
     "TPInfo",
     "TPWorker",
     "all_reduce_sum",
+    "check_replicas_identical",
     "default_backend",
     "find_free_port",
     "gather_full_state_dict",

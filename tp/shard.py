@@ -136,6 +136,38 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    # NCCL only moves CUDA tensors; gloo takes CPU ones.
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+@torch.no_grad()
+def check_replicas_identical(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Raise RuntimeError on every rank unless every rank holds the same (unsharded) weights (collective).
+
+    Sharding assumes each rank loaded the same checkpoint (or built the same seeded random preset); a rank with
+    other weights would still run and silently produce a different image. Compares a per-parameter fingerprint
+    (float64 sum and sum of squares), gathered on the CPU.
+    """
+    names, prints = [], []
+    for name, p in model.named_parameters():
+        names.append(name)
+        p64 = p.detach().double()
+        prints.append(torch.stack([p64.sum(), (p64 * p64).sum()]))
+    local = torch.stack(prints) if prints else torch.zeros(0, 2, dtype=torch.float64)
+    local = local.to(_comm_device(group))
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    gathered = [g.cpu() for g in gathered]
+    for r, other in enumerate(gathered[1:], start=1):
+        diff = (other != gathered[0]).any(dim=1).nonzero()
+        if len(diff):
+            raise RuntimeError(
+                f"rank {r} holds different weights than rank 0 (first: {names[int(diff[0])]}); every rank must "
+                "load the same checkpoint before sharding"
+            )
+
+
 def mount_all_ranks(model: nn.Module, group: dist.ProcessGroup | None = None):
     """Mount the fused GELU sites on every rank or on none (collective).
 
@@ -150,8 +182,7 @@ def mount_all_ranks(model: nn.Module, group: dist.ProcessGroup | None = None):
     if group is None:
         info = tp_info(model)
         group = info.group if info is not None else None
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    flag = torch.tensor([1 if report.ok else 0], dtype=torch.int32, device=device)
+    flag = torch.tensor([1 if report.ok else 0], dtype=torch.int32, device=_comm_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     ok = bool(flag.item())
     if not ok:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from kernels.gelu import unmount
 
 from .dist import DEFAULT_PORT, DEFAULT_TIMEOUT_S, default_backend, init_tp, shutdown_tp
-from .shard import mount_all_ranks, shard_flux_transformer
+from .shard import check_replicas_identical, mount_all_ranks, shard_flux_transformer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,6 +85,7 @@ class TPWorker:
 
         pipe = load_pipeline(self.model_path_or_preset, device=self.device, dtype=self.dtype)
         t2 = time.perf_counter()
+        check_replicas_identical(pipe.transformer, self.ctrl_group)
         shard_flux_transformer(pipe.transformer, self.rank, self.world_size, self.group)
         self.pipe = pipe
         return {
