@@ -208,7 +208,12 @@ def main() -> None:
     ap.add_argument("--skip-gelu", action="store_true")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
+    import os
+
     import triton
+
+    # Let the dispatch column consider every implementation (the library default leaves the Triton GEMMs out).
+    os.environ.setdefault("FLUXSERVE_GELU_CANDIDATES", ",".join(G.GELU_IMPLS))
 
     dev = torch.cuda.get_device_name()
     lines = [

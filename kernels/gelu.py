@@ -57,6 +57,10 @@ GELU_IMPLS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch
     "triton_mm": _triton_mm,
     "triton_tma": _triton_tma,
 }
+# Candidates the "auto" dispatch times by default. The Triton GEMMs never beat the cuBLASLt epilogue on the FLUX
+# FF shapes on an H200 (bench/results/kernels-h200.md) and their first sight costs seconds of compilation and
+# autotuning, so they are opt-in: FLUXSERVE_GELU_CANDIDATES="unfused,cublaslt,triton_tma".
+_DEFAULT_CANDIDATES = ("unfused", "cublaslt")
 # What torch.compile can trace (aten ops); the Triton launchers with host TMA descriptors are kept out of graphs.
 _TRACEABLE = ("unfused", "cublaslt")
 # A fused implementation must beat the unfused pair by this factor, so timing noise never swaps numerics for nothing.
@@ -102,10 +106,20 @@ def _time_impl(fn: Callable[[], torch.Tensor], reps: int = 7, batch: int = 4) ->
     return times[len(times) // 2]
 
 
+def _candidates() -> list[str]:
+    raw = os.environ.get("FLUXSERVE_GELU_CANDIDATES")
+    names = [n.strip() for n in raw.split(",") if n.strip()] if raw else list(_DEFAULT_CANDIDATES)
+    unknown = [n for n in names if n not in GELU_IMPLS]
+    if unknown:
+        raise ValueError(f"FLUXSERVE_GELU_CANDIDATES: unknown {unknown}; known: {sorted(GELU_IMPLS)}")
+    return names if "unfused" in names else ["unfused", *names]  # the baseline is always timed
+
+
 def _decide_by_timing(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[str, dict]:
     ref = _unfused(x2d, weight, bias).float()
     timings: dict[str, float | str] = {}
-    for name, fn in GELU_IMPLS.items():
+    for name in _candidates():
+        fn = GELU_IMPLS[name]
         try:
             diff = ((fn(x2d, weight, bias).float() - ref).norm() / ref.norm()).item()
             if not diff < _MAX_REL_DIFF:  # also rejects NaN

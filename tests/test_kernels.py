@@ -464,6 +464,7 @@ def test_gelu_dispatch_picks_fastest_correct_impl_with_margin(monkeypatch):
     impls = {"unfused": exact, "slightly_faster": lambda *a: exact(*a), "wrong_but_fast": wrong, "broken": broken}
     fake_ms = {"unfused": 1.0, "slightly_faster": 0.995, "wrong_but_fast": 0.1}
     monkeypatch.setattr(G, "GELU_IMPLS", impls)
+    monkeypatch.setenv("FLUXSERVE_GELU_CANDIDATES", "slightly_faster,wrong_but_fast,broken")
     name_of = {f: n for n, f in impls.items()}
     # _decide_by_timing times `lambda f=impl: f(...)`: recover which impl a thunk runs from its default
     monkeypatch.setattr(G, "_time_impl", lambda thunk: fake_ms[name_of[thunk.__defaults__[0]]])
@@ -474,3 +475,13 @@ def test_gelu_dispatch_picks_fastest_correct_impl_with_margin(monkeypatch):
     fake_ms["slightly_faster"] = 0.9
     best, _ = G._decide_by_timing(x2d, layer.weight, layer.bias)
     assert best == "slightly_faster"
+
+
+def test_gelu_dispatch_candidates(monkeypatch):
+    monkeypatch.delenv("FLUXSERVE_GELU_CANDIDATES", raising=False)
+    assert G._candidates() == ["unfused", "cublaslt"]  # Triton GEMMs are opt-in (they lost on H200)
+    monkeypatch.setenv("FLUXSERVE_GELU_CANDIDATES", "cublaslt, triton_tma")
+    assert G._candidates() == ["unfused", "cublaslt", "triton_tma"]
+    monkeypatch.setenv("FLUXSERVE_GELU_CANDIDATES", "cublaslt,nope")
+    with pytest.raises(ValueError, match="unknown \\['nope'\\]"):
+        G._candidates()
