@@ -35,10 +35,12 @@ def _cast(x, ty: tl.constexpr):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@triton.autotune(
-    configs=[triton.Config({"BLOCK": b}, num_warps=w) for b, w in [(512, 4), (1024, 4), (1024, 8), (2048, 8)]],
-    key=["HD", "D"],
-)
+# Memory-bound: one fixed tile each (an autotuner costs host time per launch, and these ~230 launches per FLUX
+# step already compete with the host's launch budget).
+ROPE_CONFIG = {"BLOCK": 1024, "num_warps": 4}
+MODULATE_CONFIG = {"BLOCK_S": 4, "BLOCK_D": 1024, "num_warps": 4}
+
+
 @triton.jit
 def _rope_cat_kernel(
     txt_ptr,
@@ -85,7 +87,7 @@ def rope_cat(
 ) -> torch.Tensor:
     """txt [B, T, H, D] (or None), img [B, I, H, D], both with contiguous (H, D); cos/sin fp32 [T + I, D].
 
-    config ({"BLOCK", "num_warps"}) bypasses the autotuner (benchmarks, the interpreter)."""
+    config ({"BLOCK", "num_warps"}) overrides ROPE_CONFIG (benchmarks, the interpreter)."""
     B, I, H, D = img.shape
     T = 0 if txt is None else txt.shape[1]
     src_t = img if txt is None else txt
@@ -95,11 +97,10 @@ def rope_cat(
     def grid(meta: dict) -> tuple[int, int]:
         return (B * (T + I), triton.cdiv(HD, meta["BLOCK"]))
 
-    kernel = _rope_cat_kernel if config is None else _rope_cat_kernel.fn
-    kernel[grid](
+    _rope_cat_kernel[grid](
         src_t, img, cos, sin, out, T, I, HD, D,
         src_t.stride(0), src_t.stride(1), img.stride(0), img.stride(1),
-        TY=_TL_DTYPE[img.dtype], enable_fp_fusion=False, **(config or {}),
+        TY=_TL_DTYPE[img.dtype], enable_fp_fusion=False, **(config or ROPE_CONFIG),
     )
     return out
 
@@ -109,13 +110,6 @@ def rope_cat(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_S": bs, "BLOCK_D": bd}, num_warps=w)
-        for bs, bd, w in [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (4, 1024, 8), (8, 512, 4)]
-    ],
-    key=["S", "D"],
-)
 @triton.jit
 def _modulate_kernel(
     x_ptr,
@@ -154,17 +148,16 @@ def modulate(
 ) -> torch.Tensor:
     """normed [B, S, D] with unit last stride; scale/shift [B, D] views with unit last stride.
 
-    config ({"BLOCK_S", "BLOCK_D", "num_warps"}) bypasses the autotuner."""
+    config ({"BLOCK_S", "BLOCK_D", "num_warps"}) overrides MODULATE_CONFIG."""
     B, S, D = normed.shape
     out = torch.empty((B, S, D), dtype=normed.dtype, device=normed.device)
 
     def grid(meta: dict) -> tuple[int, int, int]:
         return (triton.cdiv(S, meta["BLOCK_S"]), triton.cdiv(D, meta["BLOCK_D"]), B)
 
-    kernel = _modulate_kernel if config is None else _modulate_kernel.fn
-    kernel[grid](
+    _modulate_kernel[grid](
         normed, scale, shift, out, S, D,
         normed.stride(0), normed.stride(1), scale.stride(0), shift.stride(0),
-        TY=_TL_DTYPE[normed.dtype], enable_fp_fusion=False, **(config or {}),
+        TY=_TL_DTYPE[normed.dtype], enable_fp_fusion=False, **(config or MODULATE_CONFIG),
     )
     return out

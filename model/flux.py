@@ -34,6 +34,9 @@ from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 from diffusers.utils import apply_lora_scale, logging
 
 from kernels import gelu_site, mark_fused_gelu_site, residual_gate_add
+from kernels.modulate import modulate
+from kernels.rope import apply_rope_eager as apply_rope
+from kernels.rope import rope_cat
 
 logger = logging.get_logger(__name__)
 
@@ -50,28 +53,6 @@ __all__ = [
     "modulate",
     "apply_rope",
 ]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Elementwise pieces (the eager reference; kept as functions so fused variants can replace them one at a time)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def modulate(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """`normed * (1 + scale[:, None]) + shift[:, None]`, the AdaLN modulation exactly as diffusers writes it."""
-    return normed * (1 + scale[:, None]) + shift[:, None]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding on x [B, S, H, D] with tables [S, D]: diffusers' `apply_rotary_emb(..., sequence_dim=1)`.
-
-    Interleaved pairs (x0, x1) -> (-x1, x0); fp32 math, one rounding to x's dtype at the end.
-    """
-    cos = cos[None, :, None, :]
-    sin = sin[None, :, None, :]
-    x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
-    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
 
 
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
@@ -214,20 +195,22 @@ class FluxAttention(nn.Module):
         key = self.norm_k(self._heads(self.to_k(hidden_states)))
         value = self._heads(self.to_v(hidden_states))
 
-        joint = encoder_hidden_states is not None and self.added_kv_proj_dim is not None
-        if joint:
+        encoder_query = encoder_key = None
+        if encoder_hidden_states is not None and self.added_kv_proj_dim is not None:
             encoder_query = self.norm_added_q(self._heads(self.add_q_proj(encoder_hidden_states)))
             encoder_key = self.norm_added_k(self._heads(self.add_k_proj(encoder_hidden_states)))
             encoder_value = self._heads(self.add_v_proj(encoder_hidden_states))
             # Text tokens first, as in diffusers (the RoPE table is laid out txt_ids then img_ids).
-            query = torch.cat([encoder_query, query], dim=1)
-            key = torch.cat([encoder_key, key], dim=1)
             value = torch.cat([encoder_value, value], dim=1)
 
         if image_rotary_emb is not None:
+            # == apply_rope(cat([text, image])): on CUDA one fused pass writes the joint q / k (bit-exact gate).
             cos, sin = image_rotary_emb
-            query = apply_rope(query, cos, sin)
-            key = apply_rope(key, cos, sin)
+            query = rope_cat(encoder_query, query, cos, sin)
+            key = rope_cat(encoder_key, key, cos, sin)
+        elif encoder_query is not None:
+            query = torch.cat([encoder_query, query], dim=1)
+            key = torch.cat([encoder_key, key], dim=1)
 
         hidden_states = _sdpa(query, key, value, attention_mask)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
