@@ -1,0 +1,169 @@
+"""Command line: `python -m model generate ...` and `python -m model verify ...`.
+
+generate: one image from a prompt to a PNG file (progress bar over the denoising steps).
+verify:   runs stock diffusers (reference), our lossless tier and our high tier on the same request; prints latent
+          and PNG md5s and PSNR/SSIM of high vs lossless; exit status 1 if lossless is not byte-identical to the
+          reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size must look like 256x256, got {text!r}") from None
+    return w, h
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default="a red fox in the snow, watercolor")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--size", type=_size, default=(256, 256), help="WxH, multiples of 16 (default 256x256)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--guidance", type=float, default=3.5)
+    p.add_argument("--model", default="tiny", help="preset name (tiny, tiny-schnell, flux-dev-random, "
+                   "flux-schnell-random) or a local diffusers FLUX.1 folder (default: tiny)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _device_dtype(args: argparse.Namespace) -> tuple[Any, Any]:
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = _DTYPES[args.dtype] if args.dtype else ("bfloat16" if device.type == "cuda" else "float32")
+    return device, getattr(torch, name)
+
+
+def _request(args: argparse.Namespace, quality: str) -> Any:
+    from model.pipeline import GenerationRequest
+
+    w, h = args.size
+    return GenerationRequest(prompt=args.prompt, height=h, width=w, steps=args.steps, guidance=args.guidance,
+                             seed=args.seed, quality=quality)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from model.loading import load_pipeline
+    from model.pipeline import md5, validate_batch
+
+    req = _request(args, args.quality)
+    validate_batch([req])  # fail on bad flags before spending seconds on loading
+    device, dtype = _device_dtype(args)
+    pipe = load_pipeline(args.model, device=device, dtype=dtype)
+    result = pipe.generate([req], progress=not args.no_progress)[0]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(result.png)
+    print(json.dumps({"out": str(out), "png_md5": md5(result.png), "latents_md5": md5(result.latents),
+                      "quality": result.quality, "mounted_sites": result.mounted_sites, "device": str(device),
+                      "dtype": str(dtype).removeprefix("torch."), "timings": result.timings}, indent=2))
+    return 0
+
+
+def verify(pipe: Any, request: Any, progress: bool = False) -> dict[str, Any]:
+    """Reference (stock diffusers), lossless and high on one request; returns the comparison as a dict."""
+    import torch
+
+    from model.metrics import psnr, ssim
+    from model.pipeline import md5, run_flux_pipeline
+
+    reference = pipe.diffusers_reference()
+    t0 = time.perf_counter()
+    ref_lat, ref_png = run_flux_pipeline(reference, [request], progress=progress)
+    t1 = time.perf_counter()
+    del reference
+    lossless = pipe.generate([request.__class__(**{**vars(request), "quality": "lossless"})], progress=progress)[0]
+    high = pipe.generate([request.__class__(**{**vars(request), "quality": "high"})], progress=progress)[0]
+    report = pipe.last_mount_report
+    refused = dict(getattr(report, "refused", {}) or {})
+    p = psnr(high.png, lossless.png)
+    return {
+        "reference": {"latents_md5": md5(ref_lat[0]), "png_md5": md5(ref_png[0]), "seconds": t1 - t0},
+        "lossless": {"latents_md5": md5(lossless.latents), "png_md5": md5(lossless.png),
+                     "seconds": lossless.timings["total_s"]},
+        "high": {"latents_md5": md5(high.latents), "png_md5": md5(high.png), "seconds": high.timings["total_s"],
+                 "mounted_sites": high.mounted_sites,
+                 "refused_example": next(iter(refused.items()), None)},
+        "lossless_latents_equal": bool(torch.equal(lossless.latents, ref_lat[0])),
+        "lossless_png_equal": lossless.png == ref_png[0],
+        "psnr_high_vs_lossless_db": None if math.isinf(p) else p,
+        "high_identical_to_lossless": math.isinf(p),
+        "ssim_high_vs_lossless": ssim(high.png, lossless.png),
+    }
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    import torch
+
+    from model.loading import load_pipeline
+    from model.pipeline import validate_batch
+
+    req = _request(args, "lossless")
+    validate_batch([req])
+    device, dtype = _device_dtype(args)
+    pipe = load_pipeline(args.model, device=device, dtype=dtype)
+    res = verify(pipe, req, progress=not args.no_progress)
+    res.update(model=args.model, device=str(device), dtype=str(dtype).removeprefix("torch."), torch=torch.__version__)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        ok = res["lossless_latents_equal"] and res["lossless_png_equal"]
+        print(f"model {args.model} on {device} ({res['dtype']}), {args.size[0]}x{args.size[1]}, {args.steps} steps, "
+              f"seed {args.seed}")
+        print(f"{'':10} {'latents md5':34} {'png md5':34} seconds")
+        for k in ("reference", "lossless", "high"):
+            r = res[k]
+            print(f"{k:10} {r['latents_md5']:34} {r['png_md5']:34} {r['seconds']:.3f}")
+        print(f"lossless == reference: latents {res['lossless_latents_equal']}, png {res['lossless_png_equal']}"
+              f" -> {'OK' if ok else 'MISMATCH'}")
+        h = res["high"]
+        why = "" if h["mounted_sites"] else f" (ran unfused; e.g. {h['refused_example']})"
+        psnr_text = "inf (identical)" if res["high_identical_to_lossless"] else f"{res['psnr_high_vs_lossless_db']:.2f}"
+        print(f"high: {h['mounted_sites']} GELU sites mounted{why}")
+        print(f"high vs lossless: PSNR {psnr_text} dB, SSIM {res['ssim_high_vs_lossless']:.5f}")
+    return 0 if res["lossless_latents_equal"] and res["lossless_png_equal"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m model", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate one image to a PNG file")
+    _common(g)
+    g.add_argument("--quality", choices=("lossless", "high"), default="lossless")
+    g.add_argument("--out", required=True, help="PNG file to write")
+    v = sub.add_parser("verify", help="reference vs lossless vs high, side by side")
+    _common(v)
+    v.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    args = parser.parse_args(argv)
+    try:
+        return cmd_generate(args) if args.command == "generate" else cmd_verify(args)
+    except ValueError as exc:  # bad request knobs, unknown preset
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from model.loading import ModelLoadError
+
+        if isinstance(exc, ModelLoadError):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

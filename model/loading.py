@@ -1,0 +1,170 @@
+"""Load a FLUX.1 pipeline fully offline, with our transformer in place of diffusers'.
+
+`load_pipeline` accepts a local diffusers-format FLUX.1 folder or a preset name (see `model.presets`). A folder is
+checked piece by piece first, so a missing or broken folder fails with `ModelLoadError` naming the piece, instead of
+a deep traceback from diffusers or an attempt to reach the Hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from model.pipeline import FluxServePipeline
+
+# Components FluxPipeline needs, and the files each must have (any one name of a group suffices).
+_REQUIRED: dict[str, list[tuple[str, ...]]] = {
+    "scheduler": [("scheduler_config.json",)],
+    "vae": [("config.json",), ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json")],
+    "text_encoder": [("config.json",), ("model.safetensors", "model.safetensors.index.json")],
+    "text_encoder_2": [("config.json",), ("model.safetensors", "model.safetensors.index.json")],
+    "tokenizer": [("tokenizer.json", "vocab.json")],
+    "tokenizer_2": [("tokenizer.json", "spiece.model")],
+    "transformer": [("config.json",), ("diffusion_pytorch_model.safetensors",
+                                       "diffusion_pytorch_model.safetensors.index.json")],
+}
+
+
+class ModelLoadError(RuntimeError):
+    """A model folder is missing or broken. `component` names the piece (e.g. "transformer", "model_index.json")."""
+
+    def __init__(self, path: str | os.PathLike[str], component: str, detail: str) -> None:
+        self.path = str(path)
+        self.component = component
+        self.detail = detail
+        super().__init__(f"cannot load FLUX.1 pipeline from {self.path}: {component}: {detail}")
+
+
+def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    # diffusers renamed `torch_dtype` to `dtype` (0.42 warns on the old name); older releases only know the old one.
+    try:
+        from diffusers.utils import deprecation_utils
+
+        if hasattr(deprecation_utils, "_resolve_dtype"):
+            return {"dtype": dtype}
+    except ImportError:
+        pass
+    return {"torch_dtype": dtype}
+
+
+def _offline() -> None:
+    # Nothing here may reach the network: a folder is local by definition and presets are built in code.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def check_folder(path: str | os.PathLike[str]) -> Path:
+    """Check that `path` looks like a complete diffusers FLUX.1 folder; raise ModelLoadError naming what is not."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelLoadError(root, "folder", "does not exist or is not a directory")
+    index = root / "model_index.json"
+    if not index.is_file():
+        raise ModelLoadError(root, "model_index.json", "missing")
+    try:
+        model_index = json.loads(index.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(root, "model_index.json", f"not valid JSON ({exc})") from None
+    for component, groups in _REQUIRED.items():
+        entry = model_index.get(component)
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[1]):
+            raise ModelLoadError(root, component, "not listed in model_index.json")
+        sub = root / component
+        if not sub.is_dir():
+            raise ModelLoadError(root, component, f"subfolder {component}/ missing")
+        for names in groups:
+            if not any((sub / n).is_file() for n in names):
+                raise ModelLoadError(root, component, f"missing {' or '.join(names)}")
+        for shard_index in sub.glob("*.safetensors.index.json"):
+            try:
+                shards = set(json.loads(shard_index.read_text())["weight_map"].values())
+            except (OSError, ValueError, KeyError) as exc:
+                raise ModelLoadError(root, component, f"broken shard index {shard_index.name} ({exc})") from None
+            missing = sorted(s for s in shards if not (sub / s).is_file())
+            if missing:
+                raise ModelLoadError(root, component, f"missing weight shard(s) {', '.join(missing)}")
+    return root
+
+
+def load_transformer(folder: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
+                     cls: type | None = None) -> torch.nn.Module:
+    """Load transformer/ of a FLUX.1 folder (single file or sharded safetensors) into our FluxTransformer
+    (or `cls`), requiring every checkpoint key to match a parameter and vice versa."""
+    _offline()
+    if cls is None:
+        from model.flux import FluxTransformer as cls  # noqa: N813 - the class under its contract name
+    root = Path(folder)
+    try:
+        model, info = cls.from_pretrained(root, subfolder="transformer", **_dtype_kwarg(dtype), local_files_only=True,
+                                          output_loading_info=True)
+    except Exception as exc:  # diffusers raises a zoo of types (OSError, ValueError, SafetensorError, ...)
+        raise ModelLoadError(root, "transformer", f"{type(exc).__name__}: {exc}") from exc
+    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if bad:
+        raise ModelLoadError(root, "transformer", f"checkpoint does not match {cls.__name__}: {bad}")
+    # requires_grad stays as diffusers leaves it (True): on CPU it changes aten's matmul folding of 3-D inputs
+    # (hence the GEMM shape and the rounding), and lossless means "the same ops as stock diffusers".
+    return model.eval()
+
+
+def load_flux_pipeline(folder: str | os.PathLike[str], transformer: torch.nn.Module,
+                       device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    """diffusers FluxPipeline from `folder` with `transformer` substituted, moved to `device`."""
+    from diffusers import FluxPipeline
+
+    _offline()
+    root = Path(folder)
+    try:
+        pipe = FluxPipeline.from_pretrained(root, transformer=transformer, **_dtype_kwarg(dtype),
+                                            local_files_only=True)
+    except Exception as exc:
+        component = next((c for c in _REQUIRED if c in str(exc)), "pipeline components")
+        raise ModelLoadError(root, component, f"{type(exc).__name__}: {exc}") from exc
+    for module in (pipe.text_encoder, pipe.text_encoder_2, pipe.vae):
+        module.eval()
+    return pipe.to(device)
+
+
+def load_pipeline(path_or_preset: str | os.PathLike[str] = "tiny", device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32) -> "FluxServePipeline":
+    """A FluxServePipeline from a local diffusers FLUX.1 folder or a preset name, with our transformer."""
+    from model import presets
+    from model.pipeline import FluxServePipeline
+
+    name = str(path_or_preset)
+    if name in presets.PRESETS and not Path(name).exists():
+        spec = presets.PRESETS[name]
+        if not spec.on_disk:
+            return _in_memory_preset(name, device, dtype)
+        folder = presets.ensure_preset(name)
+    else:
+        folder = Path(name).expanduser()
+    check_folder(folder)
+    transformer = load_transformer(folder, dtype)
+    pipe = load_flux_pipeline(folder, transformer, device, dtype)
+    return FluxServePipeline(pipe, source=name, folder=folder)
+
+
+def _in_memory_preset(name: str, device: str | torch.device, dtype: torch.dtype) -> "FluxServePipeline":
+    """Full-size random preset: build every component on `device`, then move the random transformer weights into
+    our class (strict: same names) and drop diffusers' copy."""
+    from diffusers import FluxPipeline
+
+    from model import presets
+    from model.flux import FluxTransformer
+    from model.pipeline import FluxServePipeline
+
+    components = presets.build_components(name, device, dtype)
+    reference = components["transformer"]
+    with torch.device(device), presets._default_dtype(dtype):
+        ours = FluxTransformer.from_config(reference.config)
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    del reference
+    components["transformer"] = ours.eval()
+    pipe = FluxPipeline(**components)
+    return FluxServePipeline(pipe, source=name, folder=None)

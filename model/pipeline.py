@@ -1,0 +1,230 @@
+"""FluxServePipeline: diffusers' FluxPipeline driven with our transformer, one uniform batch at a time.
+
+We do not re-implement the pipeline: text encoding, latent preparation, the scheduler loop and VAE decoding are
+diffusers' own. What this adds: per-request seeds (one torch.Generator per request, so a request's image does not
+depend on its batch mates), the quality tiers (GELU sites mounted only for a "high" batch, always unmounted after),
+cooperative cancellation between steps, and deterministic PNG bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request types without needing torch
+    import torch
+
+QUALITIES = ("lossless", "high")
+_MAX_T5_TOKENS = 512  # FluxPipeline refuses more
+
+
+@dataclass
+class GenerationRequest:
+    prompt: str
+    height: int = 256
+    width: int = 256
+    steps: int = 4
+    guidance: float = 3.5
+    seed: int = 0
+    quality: str = "lossless"
+
+
+@dataclass
+class GenerationResult:
+    png: bytes
+    latents: torch.Tensor  # final latents of this request, unpacked [16, H/8, W/8], on the CPU
+    seed: int
+    quality: str
+    mounted_sites: int  # GELU sites that were mounted while this request ran (0: ran unfused)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class GenerationCancelled(RuntimeError):
+    """`should_stop()` returned True between two denoising steps."""
+
+
+def validate_batch(requests: list[GenerationRequest]) -> None:
+    """Raise ValueError unless `requests` is a non-empty, valid batch whose requests share every batch-level knob."""
+    if not requests:
+        raise ValueError("empty batch")
+    for r in requests:
+        if not isinstance(r.prompt, str):
+            raise ValueError("prompt must be a string")
+        if r.quality not in QUALITIES:
+            raise ValueError(f"quality must be one of {QUALITIES}, got {r.quality!r}")
+        for name in ("height", "width"):
+            v = getattr(r, name)
+            if not isinstance(v, int) or v < 16 or v % 16:
+                raise ValueError(f"{name} must be a positive multiple of 16, got {v!r}")
+        if not isinstance(r.steps, int) or r.steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {r.steps!r}")
+        if not isinstance(r.seed, int) or not 0 <= r.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {r.seed!r}")
+    first = requests[0]
+    for r in requests[1:]:
+        for name in ("quality", "height", "width", "steps", "guidance"):
+            if getattr(r, name) != getattr(first, name):
+                raise ValueError(f"all requests of a batch must share {name}: {getattr(first, name)!r} vs "
+                                 f"{getattr(r, name)!r}")
+
+
+def png_bytes(image: Any) -> bytes:
+    """PNG encoding of a PIL image with no metadata (no time, no text chunks): equal pixels give equal bytes."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", compress_level=6)
+    return buf.getvalue()
+
+
+def md5(data: bytes | torch.Tensor) -> str:
+    """md5 of bytes, or of a tensor's raw CPU bytes (dtype and shape are not hashed)."""
+    if not isinstance(data, (bytes, bytearray)):  # a tensor
+        import torch
+
+        t = data.detach().cpu().contiguous()
+        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return hashlib.md5(data).hexdigest()
+
+
+def max_sequence_length(pipe: Any) -> int:
+    return min(_MAX_T5_TOKENS, int(pipe.tokenizer_2.model_max_length))
+
+
+def request_generators(requests: list[GenerationRequest]) -> list["torch.Generator"]:
+    """One CPU generator per request. CPU: the initial noise of a seed is the same on every device (diffusers draws
+    on the CPU for a CPU generator, then moves it); one per request: a request's noise never depends on its batch."""
+    import torch
+
+    return [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
+
+
+def _sync(device: "torch.device") -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bool = False,
+                      should_stop: Callable[[], bool] | None = None) -> tuple[list[torch.Tensor], list[bytes]]:
+    """Run any diffusers FluxPipeline (ours or the stock reference) on one uniform batch.
+
+    Returns (unpacked final latents per request on the CPU, PNG bytes per request). The same call is used for our
+    pipeline and for the reference, so the two can only differ through their transformers.
+    """
+    import torch
+
+    validate_batch(requests)
+    first = requests[0]
+    steps = first.steps
+    if should_stop is not None and should_stop():
+        raise GenerationCancelled("cancelled before the first step")
+    final: dict[str, torch.Tensor] = {}
+
+    def on_step_end(_pipe: Any, i: int, _t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        final["latents"] = kwargs["latents"]  # packed [B, tokens, 64]; no device sync here
+        if should_stop is not None and i + 1 < steps and should_stop():
+            raise GenerationCancelled(f"cancelled after step {i + 1} of {steps}")
+        return {}
+
+    generators = request_generators(requests)
+    pipe.set_progress_bar_config(disable=not progress, desc=f"{first.quality} {first.width}x{first.height}")
+    images = pipe(
+        prompt=[r.prompt for r in requests],
+        height=first.height,
+        width=first.width,
+        num_inference_steps=steps,
+        guidance_scale=first.guidance,
+        generator=generators,
+        output_type="pil",
+        callback_on_step_end=on_step_end,
+        callback_on_step_end_tensor_inputs=["latents"],
+        max_sequence_length=max_sequence_length(pipe),
+    ).images
+    latents = pipe._unpack_latents(final["latents"], first.height, first.width, pipe.vae_scale_factor)
+    latents = latents.cpu()
+    return [latents[i].clone() for i in range(len(requests))], [png_bytes(im) for im in images]
+
+
+class FluxServePipeline:
+    """One FLUX.1 pipeline (our transformer inside diffusers' FluxPipeline) serving uniform batches."""
+
+    def __init__(self, pipe: Any, source: str | None = None, folder: str | Path | None = None) -> None:
+        self.pipe = pipe
+        self.source = source
+        self.folder = Path(folder) if folder is not None else None
+        self.last_mount_report: Any = None
+        # generate() mounts/unmounts sites on the shared transformer: never let two batches interleave.
+        self._lock = threading.Lock()
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def device(self) -> torch.device:
+        return self.pipe.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pipe.transformer.dtype
+
+    @property
+    def guidance_embeds(self) -> bool:
+        return bool(self.pipe.transformer.config.guidance_embeds)
+
+    def generate(self, requests: list[GenerationRequest], progress: bool = False,
+                 should_stop: Callable[[], bool] | None = None) -> list[GenerationResult]:
+        """Generate one uniform batch. "high" mounts the GELU sites for this batch only; if the kernels refuse
+        (e.g. on the CPU) it runs unfused and every result says mounted_sites=0."""
+        import kernels
+
+        validate_batch(requests)
+        quality = requests[0].quality
+        with self._lock:
+            t0 = time.perf_counter()
+            if kernels.mounted_sites(self.transformer):
+                kernels.unmount(self.transformer)  # lossless must never run on a mounted site
+            n_mounted = 0
+            try:
+                if quality == "high":
+                    self.last_mount_report = kernels.mount(self.transformer)
+                    n_mounted = len(kernels.mounted_sites(self.transformer))
+                t1 = time.perf_counter()
+                latents, pngs = run_flux_pipeline(self.pipe, requests, progress, should_stop)
+            finally:
+                if quality == "high":
+                    kernels.unmount(self.transformer)
+            _sync(self.device)
+            t2 = time.perf_counter()
+        timings = {"mount_s": t1 - t0, "pipeline_s": t2 - t1, "total_s": t2 - t0, "batch_size": float(len(requests))}
+        return [GenerationResult(png=png, latents=lat, seed=r.seed, quality=quality, mounted_sites=n_mounted,
+                                 timings=dict(timings))
+                for r, lat, png in zip(requests, latents, pngs)]
+
+    def diffusers_reference(self) -> Any:
+        """A stock diffusers FluxPipeline with diffusers' own FluxTransformer2DModel and the same weights.
+
+        From a folder, every component is loaded again by diffusers itself (an independent load path). For an
+        in-memory preset there is no folder: the reference shares the text encoders, VAE and tokenizers, and gets
+        a FluxTransformer2DModel holding a copy of our transformer's weights.
+        """
+        import torch
+        from diffusers import FluxPipeline, FluxTransformer2DModel
+
+        if self.folder is not None:
+            from model.loading import load_flux_pipeline, load_transformer
+
+            transformer = load_transformer(self.folder, self.dtype, cls=FluxTransformer2DModel)
+            return load_flux_pipeline(self.folder, transformer, self.device, self.dtype)
+        with torch.device(self.device):
+            transformer = FluxTransformer2DModel.from_config(self.transformer.config).to(self.dtype)
+        transformer.load_state_dict(self.transformer.state_dict(), strict=True)
+        components = dict(self.pipe.components)
+        components["transformer"] = transformer.eval()
+        components["scheduler"] = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        return FluxPipeline(**components)

@@ -1,0 +1,462 @@
+"""FluxServePipeline on the tiny preset (CPU): the bit-exact contract against stock diffusers, per-request seeds,
+quality tiers, cancellation, loading errors, the CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from model.loading import ModelLoadError, load_pipeline
+from model.pipeline import (
+    FluxServePipeline,
+    GenerationCancelled,
+    GenerationRequest,
+    md5,
+    request_generators,
+    run_flux_pipeline,
+    validate_batch,
+)
+
+
+def _stock_diffusers(path: Path, dtype: torch.dtype = torch.float32):
+    """A FluxPipeline built by diffusers alone (its own FluxTransformer2DModel, its own loader): no fluxserve code."""
+    from diffusers import FluxPipeline
+
+    from model.loading import _dtype_kwarg
+
+    pipe = FluxPipeline.from_pretrained(path, **_dtype_kwarg(dtype), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _stock_run(pipe, prompts: list[str], seeds: list[int], steps: int, size: int, guidance: float = 3.5):
+    """Latents (unpacked) and PNG bytes from stock diffusers, through its own output paths."""
+    common = dict(prompt=prompts, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
+                  max_sequence_length=min(512, pipe.tokenizer_2.model_max_length))
+    packed = pipe(**common, generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="latent").images
+    latents = pipe._unpack_latents(packed, size, size, pipe.vae_scale_factor)
+    images = pipe(**common, generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="pil").images
+    pngs = []
+    for im in images:
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+        pngs.append(buf.getvalue())
+    return latents, pngs
+
+
+@pytest.fixture(scope="module")
+def stock_tiny(tiny_path):
+    return _stock_diffusers(tiny_path)
+
+
+def test_transformer_is_ours(tiny_pipe: FluxServePipeline) -> None:
+    from diffusers import FluxTransformer2DModel
+
+    from model.flux import FluxTransformer
+
+    assert type(tiny_pipe.transformer) is FluxTransformer
+    assert not isinstance(tiny_pipe.transformer, FluxTransformer2DModel)
+    assert tiny_pipe.guidance_embeds
+
+
+def test_lossless_bit_exact_vs_stock_diffusers(tiny_pipe: FluxServePipeline, stock_tiny) -> None:
+    req = GenerationRequest("a red fox in the snow, watercolor", steps=4, seed=7)
+    ours = tiny_pipe.generate([req])[0]
+    ref_latents, ref_png = _stock_run(stock_tiny, [req.prompt], [req.seed], req.steps, req.height)
+    assert ours.latents.shape == (16, 32, 32)
+    assert torch.equal(ours.latents, ref_latents[0])
+    assert md5(ours.latents) == md5(ref_latents[0])
+    assert hashlib.md5(ours.png).hexdigest() == hashlib.md5(ref_png[0]).hexdigest()
+    assert ours.mounted_sites == 0 and ours.quality == "lossless" and ours.seed == 7
+    # the images are real images, not a constant
+    from PIL import Image
+
+    px = torch.tensor(list(Image.open(io.BytesIO(ours.png)).tobytes()), dtype=torch.float32)
+    assert px.std() > 1.0
+
+
+def test_lossless_bit_exact_batch_of_two_vs_stock_diffusers(tiny_pipe, stock_tiny) -> None:
+    reqs = [GenerationRequest("a lighthouse at night", seed=1, steps=3, width=256, height=256),
+            GenerationRequest("a bowl of ramen, studio lighting", seed=2, steps=3)]
+    ours = tiny_pipe.generate(reqs)
+    ref_latents, ref_png = _stock_run(stock_tiny, [r.prompt for r in reqs], [1, 2], 3, 256)
+    for i, res in enumerate(ours):
+        assert torch.equal(res.latents, ref_latents[i])
+        assert res.png == ref_png[i]
+    assert not torch.equal(ours[0].latents, ours[1].latents)
+
+
+def test_lossless_bit_exact_bf16_cpu(tiny_path) -> None:
+    ours = load_pipeline(str(tiny_path), dtype=torch.bfloat16)
+    assert ours.transformer.dtype == torch.bfloat16
+    req = GenerationRequest("a robot, pixel art", steps=2, seed=3, height=128, width=192)
+    res = ours.generate([req])[0]
+    stock = _stock_diffusers(tiny_path, torch.bfloat16)
+    common = dict(height=128, width=192, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=32)
+    packed = stock(req.prompt, **common, generator=torch.Generator().manual_seed(3), output_type="latent").images
+    ref = stock._unpack_latents(packed, 128, 192, stock.vae_scale_factor)[0]
+    assert res.latents.dtype == torch.bfloat16 and res.latents.shape == (16, 16, 24)
+    assert torch.equal(res.latents, ref)
+
+
+def test_schnell_variant_has_no_guidance_and_is_bit_exact(fluxserve_cache) -> None:
+    from model.presets import ensure_preset
+
+    path = ensure_preset("tiny-schnell", cache_dir=fluxserve_cache)
+    ours = load_pipeline(str(path))
+    assert not ours.guidance_embeds
+    req = GenerationRequest("a sailing ship", steps=2, seed=11)
+    res = ours.generate([req])[0]
+    ref_latents, ref_png = _stock_run(_stock_diffusers(path), [req.prompt], [11], 2, 256)
+    assert torch.equal(res.latents, ref_latents[0]) and res.png == ref_png[0]
+    # no guidance embedder: the guidance value cannot change anything
+    other = ours.generate([GenerationRequest("a sailing ship", steps=2, seed=11, guidance=9.0)])[0]
+    assert torch.equal(other.latents, res.latents)
+
+
+def test_diffusers_reference_matches_lossless(tiny_pipe) -> None:
+    from diffusers import FluxTransformer2DModel
+
+    ref = tiny_pipe.diffusers_reference()
+    assert type(ref.transformer) is FluxTransformer2DModel
+    req = GenerationRequest("an old library", steps=2, seed=5)
+    latents, pngs = run_flux_pipeline(ref, [req])
+    res = tiny_pipe.generate([req])[0]
+    assert torch.equal(res.latents, latents[0]) and res.png == pngs[0]
+
+
+def test_png_is_deterministic_and_metadata_free(tiny_pipe) -> None:
+    req = GenerationRequest("a neon sign", steps=2, seed=9)
+    a = tiny_pipe.generate([req])[0]
+    b = tiny_pipe.generate([req])[0]
+    assert a.png == b.png and torch.equal(a.latents, b.latents)
+    from PIL import Image
+
+    im = Image.open(io.BytesIO(a.png))
+    assert im.format == "PNG" and im.size == (256, 256) and im.mode == "RGB"
+    assert not im.info.keys() - {"dpi", "gamma"}  # no text/time chunks
+    assert b"tIME" not in a.png and b"tEXt" not in a.png
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-request seeds and batching
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_initial_noise_per_request_is_independent_of_the_batch(tiny_pipe) -> None:
+    pipe = tiny_pipe.pipe
+    a, b, c = (GenerationRequest("x", seed=s) for s in (1, 2, 3))
+
+    def noise(reqs):
+        lat, _ = pipe.prepare_latents(len(reqs), 16, 256, 256, torch.float32, torch.device("cpu"),
+                                      request_generators(reqs))
+        return lat
+
+    alone = noise([a])[0]
+    assert torch.equal(noise([a, b])[0], alone)
+    assert torch.equal(noise([c, a])[1], alone)
+    assert torch.equal(noise([b])[0], noise([a, b])[1])
+    assert not torch.equal(noise([b])[0], alone)
+
+
+def test_request_result_does_not_depend_on_batch_mates(tiny_pipe) -> None:
+    """Same batch size, different companions and positions: bit-identical result for request A."""
+    a = GenerationRequest("a red fox", seed=1, steps=3)
+    b = GenerationRequest("a cup of coffee, macro photograph", seed=2, steps=3)
+    c = GenerationRequest("a snowy village under the stars", seed=99, steps=3)
+    ab = tiny_pipe.generate([a, b])
+    ca = tiny_pipe.generate([c, a])
+    assert torch.equal(ab[0].latents, ca[1].latents)
+    assert ab[0].png == ca[1].png
+
+
+def _gemm_rows_depend_on_m(in_features: int, out_features: int) -> bool:
+    """Does this machine's GEMM give a row a different result when the GEMM has 1 row vs 2 rows?"""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    return not torch.equal(F.linear(x[:1], w, bias)[0], F.linear(x, w, bias)[0])
+
+
+def test_batch_of_two_equals_each_request_alone(tiny_pipe) -> None:
+    """The contract: a request's image does not depend on what it is batched with.
+
+    What we found on CPU (MKL sgemm, torch 2.13): a GEMM row's result depends on the number of rows M of the GEMM
+    (M=1 takes a GEMV path, M=2..3 and M>=4 use different blockings), not on the values or position of the other
+    rows. FLUX's conditioning path runs GEMMs with M = batch size (timestep/guidance/pooled-text embedders and every
+    AdaLN modulation linear), so a batch of 2 and a batch of 1 differ in the last bits from the first
+    `time_text_embed.timestep_embedder.linear_1` onwards. Stock diffusers behaves the same way (lossless = diffusers
+    at the same batch). The initial noise is per request and batch-independent (tested above), and for a fixed
+    batch size the result is independent of the companions (tested above). So: if batched == alone, pass; if not,
+    the test XFAILs loudly, with the measured difference, but only when the M-dependence of the conditioning GEMM is
+    demonstrated on this machine; any other cause fails.
+    """
+    a = GenerationRequest("a red fox", seed=1, steps=3)
+    b = GenerationRequest("a dragon, oil on canvas", seed=2, steps=3)
+    batched = tiny_pipe.generate([a, b])
+    alone = [tiny_pipe.generate([r])[0] for r in (a, b)]
+    equal = [torch.equal(x.latents, y.latents) for x, y in zip(batched, alone)]
+    if all(equal):
+        assert all(x.png == y.png for x, y in zip(batched, alone))
+        return
+    inner = tiny_pipe.transformer.config.num_attention_heads * tiny_pipe.transformer.config.attention_head_dim
+    assert _gemm_rows_depend_on_m(256, inner), "batched != alone although this machine's GEMM is M-invariant"
+    diff = max((x.latents - y.latents).abs().max().item() for x, y in zip(batched, alone))
+    scale = max(y.latents.abs().max().item() for y in alone)
+    assert diff <= 1e-3 * scale, f"batched vs alone differ by {diff} (latent scale {scale}): more than GEMM rounding"
+    pytest.xfail(f"CPU GEMM results depend on the batch size M (MKL GEMV/GEMM blocking): batched vs alone max "
+                 f"|diff| {diff:.3g} at latent scale {scale:.3g}")
+
+
+def test_batch_must_be_uniform(tiny_pipe) -> None:
+    with pytest.raises(ValueError, match="share steps"):
+        tiny_pipe.generate([GenerationRequest("a", steps=2), GenerationRequest("b", steps=3)])
+    with pytest.raises(ValueError, match="share quality"):
+        tiny_pipe.generate([GenerationRequest("a"), GenerationRequest("b", quality="high")])
+    with pytest.raises(ValueError, match="share width"):
+        validate_batch([GenerationRequest("a"), GenerationRequest("b", width=128)])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tiny_pipe.generate([GenerationRequest("a", height=250)])
+    with pytest.raises(ValueError, match="quality must be one of"):
+        tiny_pipe.generate([GenerationRequest("a", quality="medium")])
+    with pytest.raises(ValueError, match="empty batch"):
+        tiny_pipe.generate([])
+    with pytest.raises(ValueError, match="steps"):
+        validate_batch([GenerationRequest("a", steps=0)])
+    with pytest.raises(ValueError, match="seed"):
+        validate_batch([GenerationRequest("a", seed=-1)])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quality tiers and cancellation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_high_on_cpu_runs_unfused_reports_zero_and_leaves_model_unmounted(tiny_pipe) -> None:
+    req = GenerationRequest("a cat", seed=4, steps=2)
+    high = tiny_pipe.generate([GenerationRequest("a cat", seed=4, steps=2, quality="high")])[0]
+    assert high.quality == "high" and high.mounted_sites == 0
+    assert kernels.mounted_sites(tiny_pipe.transformer) == []
+    report = tiny_pipe.last_mount_report
+    assert not report.ok and report.refused  # the kernels said why (CPU / float32)
+    lossless = tiny_pipe.generate([req])[0]
+    assert torch.equal(high.latents, lossless.latents) and high.png == lossless.png  # unfused == lossless
+
+
+class _SiteSpy:
+    """Records how many GELU sites are mounted each time the transformer runs."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seen: list[int] = []
+        self._h = model.register_forward_pre_hook(lambda m, a: self.seen.append(len(kernels.mounted_sites(m))))
+
+    def close(self) -> None:
+        self._h.remove()
+
+
+def test_high_batch_mounts_then_unmounts_and_lossless_never_sees_a_mounted_site(tiny_pipe, monkeypatch) -> None:
+    """Force the guards to accept on CPU (the fused call itself falls back to the unfused pair off CUDA), to check
+    the pipeline's mount discipline: mounted during a high batch only, unmounted after, also after a cancel."""
+    import kernels.gelu as gelu
+
+    monkeypatch.setattr(gelu, "can_fuse_linear_gelu", lambda layer, x=None: (True, "forced by test"))
+    model = tiny_pipe.transformer
+    n_sites = 2 * model.config.num_layers + model.config.num_single_layers  # ff, ff_context per double; proj_mlp
+    spy = _SiteSpy(model)
+    try:
+        high = tiny_pipe.generate([GenerationRequest("a fox", steps=2, quality="high")])[0]
+        assert high.mounted_sites == n_sites
+        assert spy.seen == [n_sites, n_sites]
+        assert kernels.mounted_sites(model) == []
+        spy.seen.clear()
+        lossless = tiny_pipe.generate([GenerationRequest("a fox", steps=2)])[0]
+        assert lossless.mounted_sites == 0 and spy.seen == [0, 0]
+        # a lossless batch after a crash that left sites mounted: the pipeline unmounts first
+        kernels.mount(model)
+        spy.seen.clear()
+        tiny_pipe.generate([GenerationRequest("a fox", steps=2)])
+        assert spy.seen == [0, 0]
+        # cancelled high batch: still unmounted afterwards
+        with pytest.raises(GenerationCancelled):
+            tiny_pipe.generate([GenerationRequest("a fox", steps=3, quality="high")], should_stop=lambda: bool(spy.seen))
+        assert kernels.mounted_sites(model) == []
+    finally:
+        spy.close()
+        kernels.unmount(model)
+
+
+def test_should_stop_cancels_between_steps(tiny_pipe) -> None:
+    calls: list[int] = []
+    spy = _SiteSpy(tiny_pipe.transformer)
+    try:
+        def stop_after_two() -> bool:
+            calls.append(len(spy.seen))
+            return len(spy.seen) >= 2
+
+        with pytest.raises(GenerationCancelled, match="after step 2 of 5"):
+            tiny_pipe.generate([GenerationRequest("x", steps=5)], should_stop=stop_after_two)
+        assert len(spy.seen) == 2  # the transformer ran exactly twice
+        spy.seen.clear()
+        with pytest.raises(GenerationCancelled, match="before the first step"):
+            tiny_pipe.generate([GenerationRequest("x", steps=5)], should_stop=lambda: True)
+        assert spy.seen == []
+        # never asked to stop: all steps run; should_stop polled between steps only (steps - 1 times)
+        calls.clear()
+        tiny_pipe.generate([GenerationRequest("x", steps=3)], should_stop=lambda: calls.append(1) and False)
+        assert len(calls) == 1 + 2  # once before the first step, then between steps
+    finally:
+        spy.close()
+
+
+def test_progress_bar_toggles(tiny_pipe, capsys) -> None:
+    tiny_pipe.generate([GenerationRequest("x", steps=2)], progress=True)
+    assert "2/2" in capsys.readouterr().err
+    tiny_pipe.generate([GenerationRequest("x", steps=2)], progress=False)
+    assert "2/2" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading: folders, shards, errors
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def tiny_copy(tiny_path, tmp_path) -> Path:
+    dst = tmp_path / "flux"
+    shutil.copytree(tiny_path, dst)
+    return dst
+
+
+def test_sharded_transformer_loads_identically(tiny_copy, tiny_pipe) -> None:
+    from diffusers import FluxTransformer2DModel
+
+    tr = FluxTransformer2DModel.from_pretrained(tiny_copy, subfolder="transformer")
+    shutil.rmtree(tiny_copy / "transformer")
+    tr.save_pretrained(tiny_copy / "transformer", max_shard_size="2MB")
+    shards = sorted(p.name for p in (tiny_copy / "transformer").glob("*.safetensors"))
+    assert len(shards) >= 3 and (tiny_copy / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    sharded = load_pipeline(str(tiny_copy))
+    ref = tiny_pipe.transformer.state_dict()
+    got = sharded.transformer.state_dict()
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    # and a missing shard is named
+    (tiny_copy / "transformer" / shards[1]).unlink()
+    with pytest.raises(ModelLoadError, match=shards[1]) as err:
+        load_pipeline(str(tiny_copy))
+    assert err.value.component == "transformer"
+
+
+@pytest.mark.parametrize(
+    "breakage, component, message",
+    [
+        ("no_folder", "folder", "does not exist"),
+        ("no_index", "model_index.json", "missing"),
+        ("bad_index", "model_index.json", "not valid JSON"),
+        ("no_transformer_weights", "transformer", "diffusion_pytorch_model.safetensors"),
+        ("truncated_transformer", "transformer", "Unable to load weights"),
+        ("renamed_key", "transformer", "does not match"),
+        ("no_vae", "vae", "subfolder vae/ missing"),
+        ("no_t5_weights", "text_encoder_2", "model.safetensors"),
+        ("no_tokenizer", "tokenizer_2", "tokenizer.json"),
+    ],
+)
+def test_broken_folder_errors_name_the_piece(tiny_copy, breakage, component, message) -> None:
+    root = tiny_copy
+    weights = root / "transformer" / "diffusion_pytorch_model.safetensors"
+    if breakage == "no_folder":
+        root = root / "nope"
+    elif breakage == "no_index":
+        (root / "model_index.json").unlink()
+    elif breakage == "bad_index":
+        (root / "model_index.json").write_text("{not json")
+    elif breakage == "no_transformer_weights":
+        weights.unlink()
+    elif breakage == "truncated_transformer":
+        weights.write_bytes(weights.read_bytes()[: 1000])
+    elif breakage == "renamed_key":
+        from safetensors.torch import load_file, save_file
+
+        sd = load_file(weights)
+        sd["not_a_flux_parameter"] = sd.pop("proj_out.bias")
+        save_file(sd, weights, metadata={"format": "pt"})
+    elif breakage == "no_vae":
+        shutil.rmtree(root / "vae")
+    elif breakage == "no_t5_weights":
+        (root / "text_encoder_2" / "model.safetensors").unlink()
+    elif breakage == "no_tokenizer":
+        (root / "tokenizer_2" / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match=message) as err:
+        load_pipeline(str(root))
+    assert err.value.component == component
+    assert component in str(err.value)
+
+
+def test_unknown_preset_name_is_a_missing_folder() -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_pipeline("flux-nonexistent-preset")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_cli_generate_writes_the_same_png_as_the_api(tiny_path, tiny_pipe, tmp_path, capsys) -> None:
+    from model.__main__ import main
+
+    out = tmp_path / "img.png"
+    rc = main(["generate", "--prompt", "a forest cabin", "--steps", "3", "--size", "128x64", "--seed", "12",
+               "--out", str(out), "--model", str(tiny_path), "--device", "cpu", "--dtype", "float32"])
+    assert rc == 0
+    printed = json.loads(capsys.readouterr().out)
+    api = tiny_pipe.generate([GenerationRequest("a forest cabin", steps=3, width=128, height=64, seed=12)])[0]
+    assert out.read_bytes() == api.png
+    assert printed["png_md5"] == hashlib.md5(api.png).hexdigest() and printed["mounted_sites"] == 0
+
+
+def test_cli_verify_passes_on_tiny_and_reports(tiny_path, capsys) -> None:
+    from model.__main__ import main
+
+    rc = main(["verify", "--model", str(tiny_path), "--steps", "2", "--size", "128x128", "--json", "--no-progress"])
+    res = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert res["lossless_latents_equal"] and res["lossless_png_equal"]
+    assert res["reference"]["png_md5"] == res["lossless"]["png_md5"]
+    assert res["high"]["mounted_sites"] == 0 and res["high_identical_to_lossless"]
+    assert res["ssim_high_vs_lossless"] == pytest.approx(1.0)
+
+
+def test_cli_verify_exits_1_on_mismatch(tiny_path, monkeypatch, capsys) -> None:
+    """If our transformer drifted from diffusers by one ulp in one bias, verify must fail."""
+    from model import loading
+    from model.__main__ import main
+
+    real_load = loading.load_pipeline
+
+    def drifting_load(*args, **kwargs):
+        pipe = real_load(*args, **kwargs)
+        with torch.no_grad():
+            b = pipe.transformer.proj_out.bias
+            b.copy_(torch.nextafter(b, torch.full_like(b, float("inf"))))
+        return pipe
+
+    monkeypatch.setattr(loading, "load_pipeline", drifting_load)  # the CLI imports the loader at call time
+    rc = main(["verify", "--model", str(tiny_path), "--steps", "2", "--size", "64x64", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "MISMATCH" in out
+
+
+def test_cli_rejects_bad_size(capsys) -> None:
+    from model.__main__ import main
+
+    assert main(["generate", "--size", "100x100", "--out", "/nonexistent/x.png"]) == 2
+    assert "multiple of 16" in capsys.readouterr().err
