@@ -1,0 +1,126 @@
+"""The README's main command: serve the embedded default and answer one request.
+
+    python -m deployments.demo [--config serve_config.yaml] [--out fluxserve-demo.png] [--once]
+
+Starts `serve run <config>` as a child process, waits until the app answers (Serve prints "Submitted" before the
+replicas are up, so readiness is a real HTTP check), asks for one image per quality tier, writes the lossless PNG,
+prints what came back, and keeps serving until Ctrl-C (or exits at once with --once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def ray_env() -> dict[str, str]:
+    """Environment for a local Ray: no usage reporting; session files under a short path (unix sockets)."""
+    return {
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", os.path.join(tempfile.gettempdir(), "rayfs")),
+    }
+
+
+def _http(url: str, body: dict[str, Any] | None = None, accept: str = "application/json",
+          timeout: float = 600.0) -> tuple[int, dict[str, str], bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", "Accept": accept})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def wait_ready(base: str, child: subprocess.Popen, timeout_s: float) -> None:
+    """Poll /healthz until it answers 200; fail early if `serve run` died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise RuntimeError(f"`serve run` exited with status {child.returncode} before the app was ready")
+        try:
+            status, _, _ = _http(base + "/healthz", timeout=5)
+            if status == 200:
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"the app did not become ready within {timeout_s:.0f} s")
+
+
+def stop(child: subprocess.Popen) -> None:
+    """SIGINT lets `serve run` shut Serve and Ray down cleanly (~8 s); kill only if it hangs."""
+    if child.poll() is None:
+        child.send_signal(signal.SIGINT)
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="serve_config.yaml")
+    p.add_argument("--out", default="fluxserve-demo.png")
+    p.add_argument("--prompt", default="a lighthouse on a cliff at dusk, oil painting")
+    p.add_argument("--once", action="store_true", help="stop serving after the demo requests")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+
+    cfg = yaml.safe_load(Path(args.config).read_text())
+    http = cfg.get("http_options", {})
+    base = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
+    serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or shutil.which("serve")
+    if serve_bin is None:
+        print("error: the `serve` command (ray[serve]) is not installed; run `bash .ci/setup` first", file=sys.stderr)
+        return 2
+
+    env = {**os.environ, **ray_env()}
+    Path(env["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
+    print(f"starting: serve run {args.config}  (app on {base})", flush=True)
+    child = subprocess.Popen([serve_bin, "run", args.config], env=env)
+    try:
+        t0 = time.monotonic()
+        wait_ready(base, child, args.ready_timeout)
+        print(f"ready after {time.monotonic() - t0:.1f} s", flush=True)
+        for quality in ("lossless", "high"):
+            body = {"prompt": args.prompt, "seed": 42, "quality": quality}
+            status, headers, content = _http(base + "/v1/images/generations", body, accept="image/png")
+            if status != 200:
+                print(f"{quality}: HTTP {status}: {content.decode(errors='replace')}", file=sys.stderr)
+                return 1
+            out = Path(args.out) if quality == "lossless" else Path(args.out).with_suffix(".high.png")
+            out.write_bytes(content)
+            info = {k: v for k, v in headers.items() if k.lower().startswith("x-")}
+            print(f"{quality}: wrote {out} ({len(content)} bytes, md5 {hashlib.md5(content).hexdigest()}) {info}",
+                  flush=True)
+        print(f"\ntry it yourself:\n  curl -s {base}/v1/images/generations -H 'Content-Type: application/json' "
+              f"-H 'Accept: image/png' -d '{{\"prompt\": \"a red fox\", \"seed\": 1}}' -o fox.png\n"
+              f"  API docs: {base}/docs", flush=True)
+        if not args.once:
+            print("serving; Ctrl-C to stop", flush=True)
+            child.wait()
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop(child)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
