@@ -161,7 +161,7 @@ def _in_memory_preset(name: str, device: str | torch.device, dtype: torch.dtype)
 
     components = presets.build_components(name, device, dtype)
     reference = components["transformer"]
-    with torch.device(device), presets._default_dtype(dtype):
+    with torch.device(device), presets.default_dtype(dtype):
         ours = FluxTransformer.from_config(reference.config)
     ours.load_state_dict(reference.state_dict(), strict=True)
     del reference

@@ -221,8 +221,10 @@ class FluxServePipeline:
 
             transformer = load_transformer(self.folder, self.dtype, cls=FluxTransformer2DModel)
             return load_flux_pipeline(self.folder, transformer, self.device, self.dtype)
-        with torch.device(self.device):
-            transformer = FluxTransformer2DModel.from_config(self.transformer.config).to(self.dtype)
+        from model.presets import default_dtype
+
+        with torch.device(self.device), default_dtype(self.dtype):  # no float32 detour: 24 GB vs 48 GB at full size
+            transformer = FluxTransformer2DModel.from_config(self.transformer.config)
         transformer.load_state_dict(self.transformer.state_dict(), strict=True)
         components = dict(self.pipe.components)
         components["transformer"] = transformer.eval()

@@ -100,7 +100,8 @@ def cache_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create floating-point parameters directly in `dtype` inside this block."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -142,7 +143,7 @@ def build_components(name: str, device: str | torch.device = "cpu", dtype: torch
         mid_block_add_attention=True, **spec.vae,
     )
     torch.manual_seed(spec.seed if seed is None else seed)
-    with torch.device(device), _default_dtype(dtype), torch.no_grad():
+    with torch.device(device), default_dtype(dtype), torch.no_grad():
         transformer = FluxTransformer2DModel(**spec.transformer)
         text_encoder = CLIPTextModel(clip_cfg)
         text_encoder_2 = T5EncoderModel(t5_cfg)

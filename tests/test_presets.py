@@ -119,3 +119,36 @@ def test_tokenizers_are_built_locally_and_deterministic(monkeypatch) -> None:
     enc = t("a red fox at sunset", padding="max_length", max_length=16, truncation=True).input_ids
     assert enc[-1] == t.pad_token_id == 0 and t.eos_token_id in enc and t.unk_token_id not in enc
     assert t.decode(enc, skip_special_tokens=True) == "a red fox at sunset"
+
+
+def test_in_memory_preset_path_with_a_tiny_spec(monkeypatch) -> None:
+    """The path flux-*-random take (built on the device, no disk): ours holds the weights, the reference shares
+    the encoders/VAE, has diffusers' own transformer with equal weights, and lossless == reference."""
+    import dataclasses
+
+    from diffusers import FluxTransformer2DModel
+
+    from model.flux import FluxTransformer
+    from model.loading import load_pipeline
+    from model.pipeline import GenerationRequest, run_flux_pipeline
+
+    spec = dataclasses.replace(presets.PRESETS["tiny"], name="tiny-in-memory", on_disk=False)
+    monkeypatch.setitem(presets.PRESETS, "tiny-in-memory", spec)
+    pipe = load_pipeline("tiny-in-memory", device="cpu", dtype=torch.float32)
+    assert pipe.folder is None and type(pipe.transformer) is FluxTransformer
+    ref = pipe.diffusers_reference()
+    assert type(ref.transformer) is FluxTransformer2DModel
+    assert ref.vae is pipe.pipe.vae and ref.text_encoder_2 is pipe.pipe.text_encoder_2
+    a, b = pipe.transformer.state_dict(), ref.transformer.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(a[k].data_ptr() != b[k].data_ptr() for k in a)  # a copy: mounting ours can never touch the reference
+    # the in-memory build is the same random model as the on-disk tiny preset (same recipe, same seed)
+    from model.presets import ensure_preset
+
+    disk = load_pipeline(str(ensure_preset("tiny")))
+    d = disk.transformer.state_dict()
+    assert all(torch.equal(a[k], d[k]) for k in a)
+    req = GenerationRequest("a cat", steps=2, seed=1)
+    lat, png = run_flux_pipeline(ref, [req])
+    res = pipe.generate([req])[0]
+    assert torch.equal(res.latents, lat[0]) and res.png == png[0]
