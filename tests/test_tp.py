@@ -102,6 +102,13 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
 
     # Full pipeline at TP=2 (rank 0 returns the results).
     res["lossless"] = worker.generate(_requests("lossless"))
+    # The same batch through stock diffusers (its own transformer class and loader), sharded the same way.
+    from model.pipeline import run_flux_pipeline
+
+    reference = worker.pipe.diffusers_reference()
+    shard_flux_transformer(reference.transformer, rank, WORLD, group)
+    res["eager_pipeline"] = run_flux_pipeline(reference, _requests("lossless"))
+    del reference
     # The worker's transformer shards gather back to the checkpoint's weights.
     full = load_transformer(Path(tiny_path), torch.float32)
     gathered = gather_full_state_dict(worker.pipe.transformer)
@@ -380,6 +387,17 @@ def test_tp2_pipeline_close_to_tp1(tp_run: dict, tiny_pipe) -> None:
         torch.testing.assert_close(a.latents, b.latents, rtol=1e-4, atol=1e-4)
         assert _psnr(_decode(a.png), _decode(b.png)) >= PSNR_MIN_DB
     assert not torch.equal(tp2[0].latents, tp2[1].latents)
+
+
+def test_tp2_pipeline_byte_identical_to_diffusers_at_tp2(tp_run: dict) -> None:
+    import torch
+
+    latents, pngs = tp_run[0]["eager_pipeline"]
+    ours = tp_run[0]["lossless"]
+    assert len(ours) == len(latents) == 2
+    for a, lat, png in zip(ours, latents, pngs):
+        assert torch.equal(a.latents, lat)
+        assert a.png == png
 
 
 def test_mount_all_or_nothing_across_ranks(tp_run: dict) -> None:
