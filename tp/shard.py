@@ -92,8 +92,7 @@ def shard_flux_transformer(
 ) -> nn.Module:
     """Shard `model` (fully loaded on this rank) in place for rank `rank` of `world_size`; returns it.
 
-    Each sharded weight is copied out of the full one, so the full tensors are freed once the model held the
-    last reference. Raises ValueError when the head count is not divisible by world_size (nothing is changed).
+    Each shard is a copy, so a full weight is freed as soon as the model held its last reference. Raises ValueError when the head count is not divisible by world_size (nothing is changed).
     """
     if tp_info(model) is not None:
         raise RuntimeError(f"model is already sharded ({tp_info(model)})")
