@@ -82,7 +82,10 @@ def build_clip_tokenizer(num_merges: int = 300, model_max_length: int = 77) -> C
         words = merged
     vocab["<|startoftext|>"] = len(vocab)
     vocab["<|endoftext|>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
+    try:
+        return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
+    except TypeError:  # transformers releases that take merges as "a b" strings
+        return CLIPTokenizer(vocab=vocab, merges=[f"{a} {b}" for a, b in merges], model_max_length=model_max_length)
 
 
 def build_t5_tokenizer(vocab_size: int = 400, model_max_length: int = 512) -> T5TokenizerFast:
