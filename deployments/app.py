@@ -36,10 +36,15 @@ def pool_options(pool: str, p: PoolArgs, args: AppArgs) -> dict[str, Any]:
     return opts
 
 
-def build_app(
+def build_app(raw_args: dict[str, Any]) -> Application:
+    """The builder `serve run` calls (Serve requires exactly one parameter: the YAML args)."""
+    return build_app_with_options(raw_args)
+
+
+def build_app_with_options(
     raw_args: dict[str, Any], deployment_options: dict[str, dict[str, Any]] | None = None
 ) -> Application:
-    """Parse the YAML args and bind the ingress to the two pools.
+    """Parse the args and bind the ingress to the two pools.
 
     deployment_options: per-deployment `.options()` for Python callers (tests, benches) that deploy with
     `serve.run` instead of a config file; `serve run serve_config.yaml` uses the YAML `deployments:` instead.

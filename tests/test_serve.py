@@ -136,7 +136,7 @@ def serve_app(tiny_path: Path, tiny_pipe: Any):
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import build_app_with_options
 
     # Logical CPUs: ingress + 2 lossless replicas + high pool (TP ranks) + slack; 2 physical cores.
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
@@ -166,7 +166,7 @@ def serve_app(tiny_path: Path, tiny_pipe: Any):
         "high": {"num_replicas": 1, "health_check_period_s": 1, "health_check_timeout_s": 5},
         "Ingress": {"ray_actor_options": {"num_cpus": 0.1}},
     }
-    serve.run(build_app(args, opts), name=APP, route_prefix="/")
+    serve.run(build_app_with_options(args, opts), name=APP, route_prefix="/")
     yield {"url": f"http://127.0.0.1:{port}", "pipe": tiny_pipe, "args": args}
     serve.shutdown()
     ray.shutdown()
