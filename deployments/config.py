@@ -43,6 +43,9 @@ class PoolArgs:
     # batching two requests changes latents by ~5e-7 and the PNG bytes (GEMM rounding depends on the
     # batch), so the lossless pool defaults to True; the high pool batches for throughput.
     batch_invariant: bool = False
+    # How long a batch waits to fill. None: 0 for a batch-invariant pool (batching saves it no compute,
+    # so waiting would be pure latency), else the app-level batch_wait_timeout_s.
+    batch_wait_timeout_s: float | None = None
     # tp > 1: rendezvous and collective timeout; a rank that dies mid-batch makes the others raise after it.
     collective_timeout_s: float = 120.0
 

@@ -75,7 +75,10 @@ class FluxReplica:
         self._pipe = None
         # The batch queue is per process (one replica per process): configure it from the YAML args.
         self._batched.set_max_batch_size(self.args.max_batch_size)
-        self._batched.set_batch_wait_timeout_s(self.args.batch_wait_timeout_s)
+        wait = self.pool_args.batch_wait_timeout_s
+        if wait is None:
+            wait = 0.0 if self.pool_args.batch_invariant else self.args.batch_wait_timeout_s
+        self._batched.set_batch_wait_timeout_s(wait)
         if self.pool_args.tp == 1:
             import torch
 

@@ -33,15 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 APP = "fluxserve"
 
 
-def _tp_available() -> bool:
-    try:
-        import tp.worker  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-TP_HIGH = 2 if _tp_available() else 1
+# The high pool runs at TP=2 over gloo in these tests (two TPWorker ranks in a STRICT_PACK placement group).
+TP_HIGH = 2
 
 
 def _ray_env(tmp_root: str) -> dict[str, str]:
@@ -139,7 +132,8 @@ def serve_app(tiny_path: Path, tiny_pipe: Any):
     from deployments.app import build_app_with_options
 
     # Logical CPUs: ingress + 2 lossless replicas + high pool (TP ranks) + slack; 2 physical cores.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    metrics_port = _free_port()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
@@ -150,7 +144,8 @@ def serve_app(tiny_path: Path, tiny_pipe: Any):
         "limits": {"max_side": 1024, "max_pixels": 1024 * 1024, "max_steps": 60, "max_n": 4,
                    "max_prompt_chars": 200},
         "pools": {
-            "lossless": {"tp": 1, "cpu_threads": 1},
+            # A fill wait on the lossless pool too, so the batching test sees two jobs collected together.
+            "lossless": {"tp": 1, "cpu_threads": 1, "batch_wait_timeout_s": 0.2},
             "high": {"tp": TP_HIGH, "cpu_threads": 1, "backend": "gloo", "rank_resources": {"CPU": 1}},
         },
     }
@@ -167,7 +162,8 @@ def serve_app(tiny_path: Path, tiny_pipe: Any):
         "Ingress": {"ray_actor_options": {"num_cpus": 0.1}},
     }
     serve.run(build_app_with_options(args, opts), name=APP, route_prefix="/")
-    yield {"url": f"http://127.0.0.1:{port}", "pipe": tiny_pipe, "args": args}
+    yield {"url": f"http://127.0.0.1:{port}", "pipe": tiny_pipe, "args": args,
+           "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     serve.shutdown()
     ray.shutdown()
     for k, v in saved.items():
@@ -371,6 +367,29 @@ def test_health_models_openapi_metrics(serve_app: dict) -> None:
     statuses = {d: s.status for d, s in app.deployments.items()}
     assert set(statuses) == {"Ingress", "lossless", "high"}
     assert all(s in ("HEALTHY", "UPSCALING", "DOWNSCALING") for s in statuses.values()), statuses
+
+
+def test_prometheus_metrics_by_pool(serve_app: dict) -> None:
+    ok = _post(serve_app, {"prompt": "metered", "seed": 2, "size": "64x64", "steps": 1, "quality": "high"})
+    assert ok.status_code == 200
+    assert _post(serve_app, {"prompt": "x", "quality": "ultra"}).status_code == 400
+    deadline, text = time.time() + 30, ""
+    want = ['ray_fluxserve_requests_total{', 'pool="high"', 'status="200"', 'ray_fluxserve_request_latency_s',
+            'ray_fluxserve_in_flight']
+    while time.time() < deadline:
+        text = requests.get(serve_app["metrics"], timeout=10).text
+        lines = [ln for ln in text.splitlines() if ln.startswith("ray_fluxserve_requests_total{")]
+        if any('pool="high"' in ln and 'status="200"' in ln for ln in lines) and any(
+            'status="400"' in ln for ln in lines
+        ) and all(w in text for w in want):
+            break
+        time.sleep(1)
+    lines = [ln for ln in text.splitlines() if ln.startswith("ray_fluxserve_")]
+    assert any('pool="high"' in ln and 'status="200"' in ln and ln.startswith("ray_fluxserve_requests_total")
+               for ln in lines), lines
+    assert any('status="400"' in ln for ln in lines), lines
+    assert any(ln.startswith("ray_fluxserve_request_latency_s_bucket") for ln in lines), lines
+    assert any(ln.startswith("ray_fluxserve_in_flight") and 'pool="lossless"' in ln for ln in lines), lines
 
 
 # --------------------------------------------------------------------------------------------------
