@@ -115,17 +115,20 @@ class FluxReplica:
             groups.setdefault(t.job.batch_key(), []).append(i)
         out: list[tuple[str, Any] | None] = [None] * len(tickets)
         for idx in groups.values():
-            group = [tickets[i] for i in idx]
-            try:
-                results = await self._run_group(group)
-                for i, r in zip(idx, results):
-                    out[i] = ("ok", r)
-            except Exception as exc:  # every ticket of the group gets the reason, none is dropped
-                for i in idx:
-                    out[i] = ("err", exc)
+            # Batch-invariant pools run each request alone (see PoolArgs.batch_invariant).
+            chunks = [[i] for i in idx] if self.pool_args.batch_invariant else [idx]
+            for chunk in chunks:
+                try:
+                    results = await self._run_chunk([tickets[i] for i in chunk], len(idx))
+                    for i, r in zip(chunk, results):
+                        out[i] = ("ok", r)
+                except Exception as exc:  # every ticket of the call gets the reason, none is dropped
+                    for i in chunk:
+                        out[i] = ("err", exc)
         return out  # type: ignore[return-value]
 
-    async def _run_group(self, group: list[_Ticket]) -> list[dict[str, Any]]:
+    async def _run_chunk(self, chunk: list[_Ticket], queued_together: int) -> list[dict[str, Any]]:
+        """One pipeline call for compatible tickets; stops between steps once all its callers are gone."""
         from model.pipeline import GenerationCancelled, GenerationRequest
 
         requests = [
@@ -138,26 +141,20 @@ class FluxReplica:
                 seed=t.job.seed,
                 quality=t.job.quality,
             )
-            for t in group
+            for t in chunk
         ]
 
         def should_stop() -> bool:
-            return all(t.cancelled.is_set() for t in group)
+            return all(t.cancelled.is_set() for t in chunk)
 
-        t0 = time.perf_counter()
         self._batch_count += 1
-        # Batch-invariant pools run each request alone (see PoolArgs.batch_invariant).
-        chunks = [[r] for r in requests] if self.pool_args.batch_invariant else [requests]
-        results = []
         try:
             async with self._busy:  # one pipeline call at a time per replica
-                for chunk in chunks:
-                    if self._tp is None:
-                        results += await asyncio.to_thread(
-                            self._pipe.generate, chunk, should_stop=should_stop
-                        )
-                    else:
-                        results += await self._tp.generate(chunk, should_stop)
+                t0 = time.perf_counter()
+                if self._tp is None:
+                    results = await asyncio.to_thread(self._pipe.generate, requests, should_stop=should_stop)
+                else:
+                    results = await self._tp.generate(requests, should_stop)
         except GenerationCancelled:
             self._cancelled_batches += 1
             raise
@@ -176,8 +173,8 @@ class FluxReplica:
                 "mounted_sites": int(r.mounted_sites),
                 "timings": {**{k: float(v) for k, v in r.timings.items()}, "replica_batch_s": wall},
                 "pool": self.pool,
-                "batch_size": len(chunks[0]),  # requests in the pipeline call that made this image
-                "queued_together": len(group),  # compatible requests collected in one @serve.batch call
+                "batch_size": len(chunk),  # requests in the pipeline call that made this image
+                "queued_together": queued_together,  # compatible requests collected in one @serve.batch call
             }
             for r in results
         ]

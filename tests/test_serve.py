@@ -417,6 +417,30 @@ def test_deadline_gives_504_and_cancels_the_batch(serve_app: dict, pool: str) ->
     assert ok.status_code == 200, ok.text
 
 
+def test_cancelled_request_does_not_fail_its_batch_neighbour(serve_app: dict) -> None:
+    # Same key, queued together in the lossless pool (each runs alone there): the first caller gives up
+    # mid-denoise, so its own run stops early, and its neighbour still gets its image (the pipeline's bytes).
+    job = {"prompt": "neighbours", "size": "512x512", "steps": 10}
+    before = _pool_stats("lossless")["cancelled_batches"]
+
+    async def both() -> list:
+        async with httpx.AsyncClient(timeout=90) as c:
+            url = serve_app["url"] + "/v1/images/generations"
+            return await asyncio.gather(
+                c.post(url, json={**job, "seed": 1, "timeout_s": 0.5}),
+                c.post(url, json={**job, "seed": 2}),
+            )
+
+    quitter, neighbour = asyncio.run(both())
+    assert quitter.status_code == 504, quitter.text
+    assert neighbour.status_code == 200, neighbour.text
+    assert neighbour.json()["queued_together"] == [2]
+    direct = _direct_png(serve_app["pipe"], prompt="neighbours", height=512, width=512, steps=10, guidance=3.5,
+                         seed=2, quality="lossless")
+    assert _md5(_png_of(neighbour.json())) == _md5(direct)
+    assert _pool_stats("lossless")["cancelled_batches"] == before + 1
+
+
 # --------------------------------------------------------------------------------------------------
 # Autoscaling
 # --------------------------------------------------------------------------------------------------
