@@ -13,6 +13,7 @@ import hashlib
 import io
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -164,6 +165,7 @@ def serve_app(tiny_path: Path, tiny_pipe: Any):
            "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     serve.shutdown()
     ray.shutdown()
+    shutil.rmtree(rt, ignore_errors=True)
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
