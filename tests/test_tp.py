@@ -261,37 +261,45 @@ def _rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None:
     os._exit(0)
 
 
-@pytest.fixture(scope="module")
-def tp_run(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def spawn_ranks(target, world: int, tiny_path: Path, outdir: Path, timeout_s: float) -> dict:
+    """Run `target(rank, port, tiny_path, outdir)` in `world` spawned processes; each saves `rank{r}.pt`.
+
+    Bounded: ranks still alive after `timeout_s` (the whole group) are killed and the caller's test fails.
+    Returns {rank: saved dict, "wall_s": seconds}; a rank that saved an "error" fails the caller.
+    """
     import multiprocessing as mp
 
     import torch
 
     from tp.dist import find_free_port
 
-    outdir = tmp_path_factory.mktemp("tp-run")
     ctx = mp.get_context("spawn")
     port = find_free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(tiny_path), str(outdir))) for r in range(WORLD)]
+    procs = [ctx.Process(target=target, args=(r, port, str(tiny_path), str(outdir))) for r in range(world)]
     t0 = time.monotonic()
     for p in procs:
         p.start()
     for p in procs:
-        p.join(max(1.0, JOIN_TIMEOUT_S - (time.monotonic() - t0)))
+        p.join(max(1.0, timeout_s - (time.monotonic() - t0)))
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
             p.kill()
             p.join(5)
-    assert not hung, f"ranks {hung} still running after {JOIN_TIMEOUT_S} s"
-    results = {}
-    for r in range(WORLD):
+    assert not hung, f"ranks {hung} still running after {timeout_s} s"
+    results: dict = {}
+    for r in range(world):
         path = outdir / f"rank{r}.pt"
         assert path.exists(), f"rank {r} died without results (exit code {procs[r].exitcode})"
         results[r] = torch.load(path, weights_only=False)
         assert "error" not in results[r], f"rank {r} failed:\n{results[r]['error']}"
     results["wall_s"] = time.monotonic() - t0
     return results
+
+
+@pytest.fixture(scope="module")
+def tp_run(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return spawn_ranks(_rank_main, WORLD, tiny_path, tmp_path_factory.mktemp("tp-run"), JOIN_TIMEOUT_S)
 
 
 def _psnr(a, b) -> float:

@@ -7,7 +7,6 @@ bit-identical to diffusers' eager model sharded the same way; the fused GELU sit
 from __future__ import annotations
 
 import os
-import time
 import traceback
 from pathlib import Path
 
@@ -70,32 +69,13 @@ def _rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None:
 
 @pytest.fixture(scope="module")
 def nccl_run(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    import multiprocessing as mp
-
     import torch
+
+    from test_tp import spawn_ranks
 
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA devices")
-    from tp.dist import find_free_port
-
-    outdir = tmp_path_factory.mktemp("tp-nccl")
-    ctx = mp.get_context("spawn")
-    port = find_free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(tiny_path), str(outdir))) for r in range(WORLD)]
-    t0 = time.monotonic()
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(max(1.0, JOIN_TIMEOUT_S - (time.monotonic() - t0)))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, f"ranks {hung} still running after {JOIN_TIMEOUT_S} s"
-    out = {r: torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)}
-    for r in range(WORLD):
-        assert "error" not in out[r], out[r]["error"]
-    return out
+    return spawn_ranks(_rank_main, WORLD, tiny_path, tmp_path_factory.mktemp("tp-nccl"), JOIN_TIMEOUT_S)
 
 
 def test_nccl_tp2_bit_exact_with_eager_at_same_tp(nccl_run: dict) -> None:
