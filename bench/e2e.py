@@ -30,8 +30,10 @@ from typing import Any, Callable
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# `python bench/e2e.py` puts bench/ first on sys.path, where bench/kernels.py would shadow the `kernels` package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(ROOT))
 
 from model.loading import load_pipeline  # noqa: E402
 from model.metrics import psnr, ssim  # noqa: E402

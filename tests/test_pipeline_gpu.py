@@ -90,4 +90,14 @@ def test_gpu_request_independent_of_batch_mates_and_alone(gpu_pipe) -> None:
         assert m_dependent, f"batched != alone ({diff:.3g}) although this GPU's GEMM rows do not depend on M"
         pytest.xfail(f"on this GPU a request batched with another differs from it alone by {diff:.3g} "
                      f"(GEMM kernel selection depends on M = batch size for the conditioning linears)")
-    assert alone.png == ab[0].png
+    if alone.png != ab[0].png:
+        # Same latents, different pixels: the VAE decode itself depends on the batch size (cuDNN picks conv
+        # algorithms per input shape). Show that on the VAE directly, else fail.
+        pipe = gpu_pipe.pipe
+        lat = torch.stack([ab[0].latents, ab[1].latents]).to("cuda")
+        lat = lat / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+        with torch.no_grad():
+            two, one = pipe.vae.decode(lat).sample, pipe.vae.decode(lat[:1]).sample
+        assert not torch.equal(two[0], one[0]), "same latents, same VAE outputs, yet different PNGs"
+        pytest.xfail("latents are batch-invariant on this GPU, but the VAE decode depends on the batch size "
+                     f"(max |diff| {(two[0] - one[0]).abs().max().item():.3g} in decoder output)")
