@@ -30,9 +30,6 @@ from typing import Any, Callable
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# `python bench/e2e.py` puts bench/ first on sys.path, where bench/kernels.py would shadow the `kernels` package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(ROOT))
 
 from model.loading import load_pipeline  # noqa: E402

@@ -28,11 +28,6 @@ from urllib.parse import urlparse
 
 import httpx
 
-# `python bench/serve_load.py` puts bench/ first on sys.path, where bench/kernels.py would shadow the
-# `kernels` package that the pipeline imports.
-if sys.path and sys.path[0].rstrip("/").endswith("bench"):
-    sys.path.pop(0)
-
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
 

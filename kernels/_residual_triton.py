@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Tile shapes swept by bench/kernels.py. On an H200 (torch 2.11, triton 3.6) all ran within noise of each other
+# Tile shapes swept by bench/kernel_ops.py. On an H200 (torch 2.11, triton 3.6) all ran within noise of each other
 # on the FLUX shapes (19.2-19.6 us at (1,4096,3072) bf16); Triton's autotuner wrapper cost ~30 us of host time
 # per call for nothing, so the kernel launches with one fixed tile (DEFAULT_CONFIG).
 _CONFIGS = [

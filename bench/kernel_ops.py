@@ -6,7 +6,7 @@
 2. Linear(3072 -> 12288) + tanh-GELU at 512/4096/4608 rows and twice that (B=2): F.linear alone, F.linear then
    F.gelu, the cuBLASLt GELU epilogue, every other registered implementation, and what the per-shape dispatch picks.
 
-Usage: python bench/kernels.py [--out bench/results/kernels-h200.md]
+Usage: python bench/kernel_ops.py [--out bench/results/kernels-h200.md]
 """
 
 from __future__ import annotations
