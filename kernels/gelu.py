@@ -143,6 +143,10 @@ def _choose_impl(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
     key = (M, weight.shape[0], K, x2d.dtype, x2d.device.index)
     name = _gelu_choice.get(key)
     if torch.compiler.is_compiling():
+        # Never time inside a trace (CUDA events and .item() syncs cannot be traced; a choice taken there would
+        # be baked into the graph from fake tensors). Use what an eager call decided for this shape (the
+        # pipeline's compile warm-up runs one eager high batch per shape first), else a fixed traceable epilogue;
+        # nothing is cached here, so a later eager call still decides by timing.
         return name if name in _TRACEABLE else "cublaslt"
     if name is not None:
         return name

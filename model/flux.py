@@ -322,6 +322,27 @@ class FluxSingleTransformerBlock(nn.Module):
         return joint[:, :text_len], joint[:, text_len:]
 
 
+def run_double_block(
+    block: FluxTransformerBlock,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One double block; a plain function so `torch.compile` of it serves every block instance (regional)."""
+    return block(hidden_states, encoder_hidden_states, temb, image_rotary_emb)
+
+
+def run_single_block(
+    block: FluxSingleTransformerBlock,
+    joint: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """One single block on the joint sequence (see `run_double_block`)."""
+    return block.forward_joint(joint, temb, image_rotary_emb)
+
+
 class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, AttentionMixin):
     """FLUX.1 transformer, drop-in for diffusers' `FluxTransformer2DModel` (same config, weights, forward)."""
 
@@ -367,6 +388,9 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         self.norm_out = AdaLayerNormContinuous(self.inner_dim, self.inner_dim, elementwise_affine=False, eps=1e-6)
         self.proj_out = nn.Linear(self.inner_dim, patch_size * patch_size * self.out_channels, bias=True)
         self.gradient_checkpointing = False
+        # (double, single) block runners; None: `run_double_block` / `run_single_block` eagerly. The pipeline sets
+        # compiled versions for a compiled "high" batch only and clears them after, so other batches stay eager.
+        self.block_runners: tuple[Any, Any] | None = None
 
     @apply_lora_scale("joint_attention_kwargs")
     def forward(
@@ -411,12 +435,13 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         image_rotary_emb = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
 
         checkpointing = torch.is_grad_enabled() and self.gradient_checkpointing
+        run_double, run_single = self.block_runners or (run_double_block, run_single_block)
         for index_block, block in enumerate(self.transformer_blocks):
             args = (hidden_states, encoder_hidden_states, temb, image_rotary_emb)
             if checkpointing:
                 encoder_hidden_states, hidden_states = self._gradient_checkpointing_func(block, *args)
             else:
-                encoder_hidden_states, hidden_states = block(*args)
+                encoder_hidden_states, hidden_states = run_double(block, *args)
             if controlnet_block_samples is not None:
                 interval = int(np.ceil(len(self.transformer_blocks) / len(controlnet_block_samples)))
                 if controlnet_blocks_repeat:  # XLabs ControlNet
@@ -436,7 +461,7 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
             if checkpointing:
                 joint = self._gradient_checkpointing_func(block.forward_joint, joint, temb, image_rotary_emb)
             else:
-                joint = block.forward_joint(joint, temb, image_rotary_emb)
+                joint = run_single(block, joint, temb, image_rotary_emb)
             if controlnet_single_block_samples is not None:
                 interval = int(np.ceil(len(self.single_transformer_blocks) / len(controlnet_single_block_samples)))
                 image = joint[:, text_len:] + controlnet_single_block_samples[index_block // interval]

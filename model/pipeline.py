@@ -158,6 +158,9 @@ class FluxServePipeline:
         self.source = source
         self.folder = Path(folder) if folder is not None else None
         self.last_mount_report: Any = None
+        # (double, single) compiled block runners for "high" batches; None until enable_compile().
+        self._compiled_runners: tuple[Any, Any] | None = None
+        self.compile_warmup_s: float | None = None
         # generate() mounts/unmounts sites on the shared transformer: never let two batches interleave.
         self._lock = threading.Lock()
 
@@ -177,14 +180,61 @@ class FluxServePipeline:
     def guidance_embeds(self) -> bool:
         return bool(self.pipe.transformer.config.guidance_embeds)
 
+    @property
+    def compile_enabled(self) -> bool:
+        return self._compiled_runners is not None
+
+    def enable_compile(self, sizes: list[tuple[int, int]], steps: int = 2,
+                       batch_sizes: tuple[int, ...] | list[int] = (1,)) -> float:
+        """Run "high" batches through regionally compiled transformer blocks and compile them now.
+
+        One `torch.compile(dynamic=False)` per block type (double, single): every block of a type shares the
+        graph, so compile time does not grow with depth. Lossless batches never use it (they must stay
+        bit-identical to eager diffusers). Warm-up: for each (height, width) and batch size, one eager high batch
+        first (the per-shape GELU dispatch is decided there by timing, never inside a trace), then one compiled
+        high batch of `steps` steps; graphs are specialised on shapes, so a request of a warmed size and batch size
+        never compiles. Returns the warm-up time in seconds.
+        """
+        import torch
+        import torch._dynamo
+
+        from model.flux import run_double_block, run_single_block
+
+        if not sizes or steps < 1 or not batch_sizes or min(batch_sizes) < 1:
+            raise ValueError(f"enable_compile needs sizes, steps >= 1, batch sizes >= 1; got {sizes}, {steps}, "
+                             f"{batch_sizes}")
+        # One graph per (size, batch size) and block type: let Dynamo keep them all rather than fall back to eager.
+        needed = len(sizes) * len(batch_sizes)
+        if torch._dynamo.config.recompile_limit < needed:
+            torch._dynamo.config.recompile_limit = needed
+        if self._compiled_runners is None:
+            self._compiled_runners = (torch.compile(run_double_block, dynamic=False),
+                                      torch.compile(run_single_block, dynamic=False))
+        t0 = time.perf_counter()
+        for height, width in sizes:
+            for b in batch_sizes:
+                batch = [GenerationRequest("warm-up", height=int(height), width=int(width), steps=steps, seed=i,
+                                           quality="high") for i in range(b)]
+                self.generate(batch, compiled=False)
+                self.generate(batch, compiled=True)
+        self.compile_warmup_s = time.perf_counter() - t0
+        return self.compile_warmup_s
+
     def generate(self, requests: list[GenerationRequest], progress: bool = False,
-                 should_stop: Callable[[], bool] | None = None) -> list[GenerationResult]:
+                 should_stop: Callable[[], bool] | None = None,
+                 compiled: bool | None = None) -> list[GenerationResult]:
         """Generate one uniform batch. "high" mounts the GELU sites for this batch only; if the kernels refuse
-        (e.g. on the CPU) it runs unfused and every result says mounted_sites=0."""
+        (e.g. on the CPU) it runs unfused and every result says mounted_sites=0. A high batch runs the compiled
+        blocks when `compiled` (default: after `enable_compile`); lossless never does."""
         import kernels
 
         validate_batch(requests)
         quality = requests[0].quality
+        if compiled is None:
+            compiled = self.compile_enabled
+        if compiled and quality == "high" and self._compiled_runners is None:
+            raise ValueError("compiled=True needs enable_compile() first")
+        use_compiled = compiled and quality == "high"
         with self._lock:
             t0 = time.perf_counter()
             if kernels.mounted_sites(self.transformer):
@@ -194,9 +244,12 @@ class FluxServePipeline:
                 if quality == "high":
                     self.last_mount_report = kernels.mount(self.transformer)
                     n_mounted = len(kernels.mounted_sites(self.transformer))
+                if use_compiled:
+                    self.transformer.block_runners = self._compiled_runners
                 t1 = time.perf_counter()
                 latents, pngs = run_flux_pipeline(self.pipe, requests, progress, should_stop)
             finally:
+                self.transformer.block_runners = None  # compiled blocks never outlive their high batch
                 if quality == "high":
                     kernels.unmount(self.transformer)
             _sync(self.device)
