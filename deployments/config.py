@@ -48,6 +48,12 @@ class PoolArgs:
     batch_wait_timeout_s: float | None = None
     # tp > 1: rendezvous and collective timeout; a rank that dies mid-batch makes the others raise after it.
     collective_timeout_s: float = 120.0
+    # High pool only (tp == 1): run the transformer blocks through torch.compile (regional, dynamic=False),
+    # compiled at replica start for `compile_sizes` ("WxH"; default: [default_size]) at every batch size up to
+    # max_batch_size, so no request pays compilation. The lossless pool refuses it: compiled kernels round
+    # differently, and lossless must stay byte-identical to eager diffusers.
+    compile: bool = False
+    compile_sizes: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,8 +91,12 @@ class AppArgs:
             pool = PoolArgs(**p)
             if not isinstance(pool.tp, int) or pool.tp < 1:
                 raise ValueError(f"args.pools.{q}.tp must be an integer >= 1, got {pool.tp!r}")
+            _check_compile(pool, q)
             pools[q] = pool
         args = AppArgs(limits=Limits(**limits_raw), pools=pools, **raw)
+        for q, pool in pools.items():
+            for size in args.compile_sizes(q):
+                parse_size(size, f"args.pools.{q}.compile_sizes")
         if args.dtype not in DTYPES:
             raise ValueError(f"args.dtype must be one of {DTYPES}, got {args.dtype!r}")
         if args.max_batch_size < 1:
@@ -97,6 +107,38 @@ class AppArgs:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def compile_sizes(self, pool: str) -> list[str]:
+        """The "WxH" sizes a compiled pool warms up at start ([] when the pool does not compile)."""
+        p = self.pools[pool]
+        if not p.compile:
+            return []
+        return list(p.compile_sizes) if p.compile_sizes else [self.default_size]
+
+
+def parse_size(size: str, where: str = "size") -> tuple[int, int]:
+    """"WxH" -> (height, width); ValueError with `where` in the message otherwise."""
+    try:
+        w, h = (int(v) for v in str(size).lower().split("x"))
+    except ValueError:
+        raise ValueError(f"{where}: expected 'WxH', got {size!r}") from None
+    if w < 16 or h < 16 or w % 16 or h % 16:
+        raise ValueError(f"{where}: sides must be positive multiples of 16, got {size!r}")
+    return h, w
+
+
+def _check_compile(pool: PoolArgs, name: str) -> None:
+    if not isinstance(pool.compile, bool):
+        raise ValueError(f"args.pools.{name}.compile must be true or false, got {pool.compile!r}")
+    if not pool.compile:
+        return
+    if name != "high":
+        raise ValueError(f"args.pools.{name}.compile: torch.compile is for the high pool only; the {name} pool "
+                         "must stay byte-identical to eager diffusers")
+    if pool.tp != 1:
+        raise ValueError(f"args.pools.{name}.compile is not supported with tp > 1 (got tp={pool.tp})")
+    if pool.compile_sizes is not None and not isinstance(pool.compile_sizes, list):
+        raise ValueError(f"args.pools.{name}.compile_sizes must be a list of 'WxH', got {pool.compile_sizes!r}")
 
 
 def _reject_unknown(raw: dict[str, Any], cls: type, where: str) -> None:

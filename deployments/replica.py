@@ -22,7 +22,7 @@ from typing import Any
 
 from ray import serve
 
-from deployments.config import AppArgs
+from deployments.config import AppArgs, parse_size
 from deployments.schema import Job
 
 logger = logging.getLogger("ray.serve")
@@ -59,6 +59,18 @@ def _assigned_cpus() -> int:
         return 0
 
 
+# Shapes do not depend on the step count; 2 steps also exercise the second call of each graph.
+COMPILE_WARMUP_STEPS = 2
+
+
+def compile_warmup_plan(args: AppArgs, pool: str) -> tuple[list[tuple[int, int]], list[int]]:
+    """((height, width) sizes, batch sizes) a compiled pool must warm up: every pipeline call it can make."""
+    sizes = [parse_size(s, f"args.pools.{pool}.compile_sizes") for s in args.compile_sizes(pool)]
+    # A batch-invariant pool runs one request per pipeline call; otherwise a call holds 1..max_batch_size.
+    top = 1 if args.pools[pool].batch_invariant else args.max_batch_size
+    return sizes, list(range(1, top + 1))
+
+
 @serve.deployment(max_ongoing_requests=8)
 class FluxReplica:
     """One replica of a pool; bound twice by the builder (names "lossless" and "high")."""
@@ -89,12 +101,22 @@ class FluxReplica:
             self._pipe = load_pipeline(
                 self.args.model, device=self.args.device, dtype=_torch_dtype(self.args.dtype)
             )
+            if self.pool_args.compile:
+                self._warm_up_compile()
         else:
             from deployments.tp_group import TPGroup
 
             self._tp = TPGroup(self.args, self.pool_args)
             self._tp.start()
         logger.info("FluxReplica pool=%s tp=%d ready", pool, self.pool_args.tp)
+
+    def _warm_up_compile(self) -> None:
+        """Compile the high pool's blocks before the replica reports ready, for every size and batch size it
+        can be asked for (graphs are shape-specialised), so no request pays compilation."""
+        sizes, batch_sizes = compile_warmup_plan(self.args, self.pool)
+        seconds = self._pipe.enable_compile(sizes, steps=COMPILE_WARMUP_STEPS, batch_sizes=batch_sizes)
+        logger.info("FluxReplica pool=%s: compiled for sizes %s, batch sizes %s in %.1f s", self.pool, sizes,
+                    batch_sizes, seconds)
 
     async def generate(self, job: Job) -> dict[str, Any]:
         """Generate one image; returns png bytes, seed, timings, pool, batch size."""
