@@ -1,0 +1,172 @@
+"""Opt-in compiled "high" tier (regional torch.compile of the transformer blocks) on the tiny preset, CPU fp32.
+
+One module-scoped pipeline is compiled once (Inductor on CPU); every test here reuses it. On the CPU the GELU sites
+refuse to mount, so compiled high is compared with eager (unmounted) high: same math, Inductor's own kernels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from deployments.config import AppArgs
+from model.loading import load_pipeline
+from model.pipeline import FluxServePipeline, GenerationRequest, run_flux_pipeline
+
+SIZE = 64
+WARM_BATCH_SIZES = (1, 2)
+# Inductor's fused fp32 kernels reorder reductions: measured max |diff| of the final latents ~5e-7 (2 steps).
+LATENT_ATOL = 1e-4
+
+
+def _graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+class _RunnerSpy:
+    """Records, at each transformer call, whether compiled block runners were installed."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seen: list[bool] = []
+        self._h = model.register_forward_pre_hook(lambda m, a: self.seen.append(m.block_runners is not None))
+
+    def close(self) -> None:
+        self._h.remove()
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_path: Path) -> dict[str, Any]:
+    pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    before = _graphs()
+    seconds = pipe.enable_compile([(SIZE, SIZE)], steps=2, batch_sizes=WARM_BATCH_SIZES)
+    return {"pipe": pipe, "warmup_graphs": _graphs() - before, "warmup_s": seconds}
+
+
+def _req(prompt: str, seed: int, steps: int = 2, quality: str = "high") -> GenerationRequest:
+    return GenerationRequest(prompt, height=SIZE, width=SIZE, steps=steps, seed=seed, quality=quality)
+
+
+def test_warm_up_compiles_one_graph_per_block_type_and_batch_size(compiled) -> None:
+    # double + single block, per warmed batch size (dynamic=False specialises on the batch dimension)
+    assert compiled["warmup_graphs"] == 2 * len(WARM_BATCH_SIZES)
+    assert compiled["pipe"].compile_enabled and compiled["warmup_s"] > 0
+
+
+def test_compiled_high_is_close_to_eager_high(compiled) -> None:
+    pipe: FluxServePipeline = compiled["pipe"]
+    spy = _RunnerSpy(pipe.transformer)
+    try:
+        fast = pipe.generate([_req("a red fox", 3), _req("a cat", 4)])
+        assert spy.seen == [True, True]
+        spy.seen.clear()
+        slow = pipe.generate([_req("a red fox", 3), _req("a cat", 4)], compiled=False)
+        assert spy.seen == [False, False]
+    finally:
+        spy.close()
+    for f, s in zip(fast, slow):
+        assert f.quality == s.quality == "high"
+        torch.testing.assert_close(f.latents, s.latents, atol=LATENT_ATOL, rtol=0)
+
+
+def test_no_recompiles_across_requests_of_a_warmed_shape(compiled) -> None:
+    pipe: FluxServePipeline = compiled["pipe"]
+    graphs, recompiles = _graphs(), sum(counters["recompiles"].values())
+    spy = _RunnerSpy(pipe.transformer)
+    try:
+        pipe.generate([_req("a fox", 11)])
+        pipe.generate([_req("a snowy forest at dawn", 12, steps=3)])
+        pipe.generate([_req("x", 13), _req("y", 14)])
+        pipe.generate([GenerationRequest("a fox", height=SIZE, width=SIZE, steps=2, seed=15, guidance=5.0,
+                                         quality="high")])
+    finally:
+        spy.close()
+    assert spy.seen == [True] * (2 + 3 + 2 + 2)  # every step ran the compiled blocks
+    assert _graphs() == graphs
+    assert sum(counters["recompiles"].values()) == recompiles
+
+
+def test_lossless_after_compiled_high_is_still_bit_identical_to_diffusers(compiled) -> None:
+    pipe: FluxServePipeline = compiled["pipe"]
+    pipe.generate([_req("a fox", 21)])  # compiled high batch first, same process and transformer
+    assert pipe.transformer.block_runners is None
+    spy = _RunnerSpy(pipe.transformer)
+    try:
+        ours = pipe.generate([_req("a fox", 21, quality="lossless")])[0]
+    finally:
+        spy.close()
+    assert spy.seen == [False, False]
+    reference = pipe.diffusers_reference()
+    reference.set_progress_bar_config(disable=True)
+    ref_latents, ref_pngs = run_flux_pipeline(reference, [_req("a fox", 21, quality="lossless")])
+    assert torch.equal(ours.latents, ref_latents[0])
+    assert ours.png == ref_pngs[0]
+
+
+def test_compiled_needs_enable_compile_and_checks_its_arguments(tiny_pipe) -> None:
+    assert not tiny_pipe.compile_enabled
+    with pytest.raises(ValueError, match="enable_compile"):
+        tiny_pipe.generate([_req("a fox", 1)], compiled=True)
+    for bad in ({"sizes": []}, {"sizes": [(SIZE, SIZE)], "steps": 0}, {"sizes": [(SIZE, SIZE)], "batch_sizes": ()}):
+        with pytest.raises(ValueError, match="enable_compile needs"):
+            tiny_pipe.enable_compile(**bad)
+    assert not tiny_pipe.compile_enabled
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Serve config and replica wiring (no Ray needed)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_lossless_pool_refuses_compile() -> None:
+    with pytest.raises(ValueError, match=r"args\.pools\.lossless\.compile: .*high pool only.*byte-identical"):
+        AppArgs.parse({"pools": {"lossless": {"compile": True}}})
+
+
+@pytest.mark.parametrize(
+    "high, message",
+    [
+        ({"compile": "yes"}, "compile must be true or false"),
+        ({"compile": True, "tp": 2}, "not supported with tp > 1"),
+        ({"compile": True, "compile_sizes": "64x64"}, "must be a list"),
+        ({"compile": True, "compile_sizes": ["64x60"]}, "multiples of 16"),
+        ({"compile": True, "compile_sizes": ["big"]}, "expected 'WxH'"),
+    ],
+)
+def test_bad_high_compile_options_are_config_errors(high: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AppArgs.parse({"pools": {"high": high}})
+
+
+def test_high_pool_compile_warm_up_plan() -> None:
+    from deployments.replica import compile_warmup_plan
+
+    args = AppArgs.parse({"default_size": "256x128", "max_batch_size": 3, "pools": {"high": {"compile": True}}})
+    assert args.pools["high"].compile and not args.pools["lossless"].compile
+    assert compile_warmup_plan(args, "high") == ([(128, 256)], [1, 2, 3])
+    assert compile_warmup_plan(args, "lossless") == ([], [1])
+    sized = AppArgs.parse({"pools": {"high": {"compile": True, "compile_sizes": ["64x64", "128x64"],
+                                              "batch_invariant": True}}})
+    assert compile_warmup_plan(sized, "high") == ([(64, 64), (64, 128)], [1])
+    assert AppArgs.parse(None).compile_sizes("high") == []  # off by default
+
+
+def test_replica_warms_up_the_plan_through_enable_compile() -> None:
+    from deployments.replica import COMPILE_WARMUP_STEPS, FluxReplica
+
+    calls: list[tuple] = []
+
+    class _Pipe:
+        def enable_compile(self, sizes, steps, batch_sizes):
+            calls.append((sizes, steps, batch_sizes))
+            return 1.5
+
+    replica = FluxReplica.func_or_class.__new__(FluxReplica.func_or_class)
+    replica.args = AppArgs.parse({"max_batch_size": 2, "pools": {"high": {"compile": True}}})
+    replica.pool = "high"
+    replica._pipe, replica._tp = _Pipe(), None
+    replica._warm_up_compile()
+    assert calls == [([(256, 256)], COMPILE_WARMUP_STEPS, [1, 2])]
