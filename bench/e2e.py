@@ -11,6 +11,7 @@ PSNR/SSIM of high vs lossless.
 
   python bench/e2e.py                                   # full: 1024x1024, 50 and 28 steps, 3 repeats
   python bench/e2e.py --steps 4 --size 512 --repeats 1  # smoke
+  python bench/e2e.py --high-compile                    # adds high_compiled: high with torch.compile'd blocks
 """
 
 from __future__ import annotations
@@ -70,8 +71,13 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
     variants: dict[str, Callable[[], tuple[torch.Tensor, bytes, int]]] = {
         "baseline": lambda: (lambda lat, png: (lat[0], png[0], 0))(*run_flux_pipeline(reference, [req("lossless")])),
         "lossless": lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(ours.generate([req("lossless")])[0]),
-        "high": lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(ours.generate([req("high")])[0]),
+        "high": lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+            ours.generate([req("high")], compiled=False)[0]),
     }
+    if args.high_compile:
+        # The compile warm-up for this size ran before (main); no timed call compiles.
+        variants["high_compiled"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+            ours.generate([req("high")], compiled=True)[0])
     times: dict[str, list[float]] = {k: [] for k in variants}
     last: dict[str, tuple[torch.Tensor, bytes, int]] = {}
     for i in range(args.warmup + args.repeats):
@@ -85,6 +91,19 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
     med = {k: statistics.median(v) for k, v in times.items()}
     (b_lat, b_png, _), (l_lat, l_png, _), (h_lat, h_png, h_sites) = last["baseline"], last["lossless"], last["high"]
     p = psnr(h_png, l_png)
+    extra: dict[str, Any] = {}
+    if "high_compiled" in last:
+        c_lat, c_png, c_sites = last["high_compiled"]
+        pc = psnr(c_png, l_png)
+        extra = {
+            "high_compiled_s": med["high_compiled"],
+            "high_compiled_speedup_pct": 100.0 * (med["baseline"] / med["high_compiled"] - 1.0),
+            "psnr_high_compiled_db": None if math.isinf(pc) else pc,
+            "high_compiled_identical_to_lossless": math.isinf(pc),
+            "ssim_high_compiled": ssim(c_png, l_png),
+            "high_compiled_mounted_sites": c_sites,
+            "high_compiled_max_abs_latent_diff_vs_high": float((c_lat.float() - h_lat.float()).abs().max()),
+        }
     return {
         "steps": steps,
         "size": size,
@@ -99,7 +118,9 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
         "high_identical_to_lossless": math.isinf(p),
         "ssim_high": ssim(h_png, l_png),
         "high_mounted_sites": h_sites,
-        "png_md5": {"baseline": md5(b_png), "lossless": md5(l_png), "high": md5(h_png)},
+        **extra,
+        "png_md5": {"baseline": md5(b_png), "lossless": md5(l_png), "high": md5(h_png),
+                    **({"high_compiled": md5(last["high_compiled"][1])} if "high_compiled" in last else {})},
         "times_s": times,
     }
 
@@ -123,6 +144,24 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             f"{r['high_s']:.3f} | {r['lossless_speedup_pct']:+.2f}% | {r['high_speedup_pct']:+.2f}% | "
             f"{r['lossless_latents_equal']} | {r['lossless_png_md5_equal']} | {psnr_text} | {r['ssim_high']:.5f} | "
             f"{r['high_mounted_sites']} |")
+    if any("high_compiled_s" in r for r in result["runs"]):
+        lines += [
+            "",
+            f"`high_compiled`: high with regionally compiled blocks (torch.compile, dynamic=False), compiled and "
+            f"warmed up before timing in {result['compile_warmup_s']:.1f} s; graphs compiled during the timed and "
+            f"warm-up runs after that: {result['compiled_graphs_during_timing']}.",
+            "",
+            "| steps | size | high compiled (s) | high compiled speed-up | PSNR vs lossless (dB) | SSIM vs lossless | "
+            "max abs latent diff vs high | GELU sites mounted |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in result["runs"]:
+            psnr_text = ("inf (identical)" if r["high_compiled_identical_to_lossless"]
+                         else f"{r['psnr_high_compiled_db']:.2f}")
+            lines.append(
+                f"| {r['steps']} | {r['size']}x{r['size']} | {r['high_compiled_s']:.3f} | "
+                f"{r['high_compiled_speedup_pct']:+.2f}% | {psnr_text} | {r['ssim_high_compiled']:.5f} | "
+                f"{r['high_compiled_max_abs_latent_diff_vs_high']:.3g} | {r['high_compiled_mounted_sites']} |")
     lines += ["", "Command:", "", "```", result["command"], "```", "",
               f"Build of the model: {result['build_s']:.1f} s (ours) + {result['reference_build_s']:.1f} s "
               f"(diffusers reference). Raw numbers: `{Path(result['json']).name}`.", ""]
@@ -140,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--guidance", type=float, default=3.5)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--high-compile", action="store_true",
+                    help="also time high with torch.compile'd transformer blocks (variant high_compiled)")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only to dry-run the script")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e-h200.json"))
     ap.add_argument("--md", default=None, help="markdown summary (default: --out with .md)")
@@ -161,7 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     backend = (sdpa_backend(1, cfg.num_attention_heads, tokens, cfg.attention_head_dim, dtype)
                if args.device.startswith("cuda") else "cpu")
 
+    compile_warmup_s = None
+    if args.high_compile:
+        compile_warmup_s = ours.enable_compile([(args.size, args.size)], steps=2)
+        print(f"compiled high blocks for {args.size}x{args.size} in {compile_warmup_s:.1f}s", flush=True)
+    from torch._dynamo.utils import counters
+
+    graphs_before = counters["stats"]["unique_graphs"]
     runs = [run_steps(ours, reference, s, args.size, args) for s in args.steps]
+    graphs_during_timing = counters["stats"]["unique_graphs"] - graphs_before
     import diffusers
 
     result: dict[str, Any] = {**{k: v for k, v in runs[0].items() if k not in ("png_md5", "times_s")},
@@ -174,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         max_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         gelu_impl=os.environ.get("FLUXSERVE_GELU_IMPL", "auto"),
     )
+    if compile_warmup_s is not None:
+        # Dynamo graphs compiled after the warm-up: 0 means no timed call paid a (re)compile.
+        result.update(compile_warmup_s=compile_warmup_s, compiled_graphs_during_timing=graphs_during_timing)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
