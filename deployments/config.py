@@ -116,6 +116,18 @@ class AppArgs:
         return list(p.compile_sizes) if p.compile_sizes else [self.default_size]
 
 
+# Shapes do not depend on the step count; 2 steps also exercise the second call of each graph.
+COMPILE_WARMUP_STEPS = 2
+
+
+def compile_warmup_plan(args: AppArgs, pool: str) -> tuple[list[tuple[int, int]], list[int]]:
+    """((height, width) sizes, batch sizes) a compiled pool must warm up: every pipeline call it can make."""
+    sizes = [parse_size(s, f"args.pools.{pool}.compile_sizes") for s in args.compile_sizes(pool)]
+    # A batch-invariant pool runs one request per pipeline call; otherwise a call holds 1..max_batch_size.
+    top = 1 if args.pools[pool].batch_invariant else args.max_batch_size
+    return sizes, list(range(1, top + 1))
+
+
 def parse_size(size: str, where: str = "size") -> tuple[int, int]:
     """"WxH" -> (height, width); ValueError with `where` in the message otherwise."""
     try:

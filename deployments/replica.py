@@ -22,7 +22,7 @@ from typing import Any
 
 from ray import serve
 
-from deployments.config import AppArgs, parse_size
+from deployments.config import COMPILE_WARMUP_STEPS, AppArgs, compile_warmup_plan
 from deployments.schema import Job
 
 logger = logging.getLogger("ray.serve")
@@ -57,18 +57,6 @@ def _assigned_cpus() -> int:
         return int(ray.get_runtime_context().get_assigned_resources().get("CPU", 0))
     except Exception:
         return 0
-
-
-# Shapes do not depend on the step count; 2 steps also exercise the second call of each graph.
-COMPILE_WARMUP_STEPS = 2
-
-
-def compile_warmup_plan(args: AppArgs, pool: str) -> tuple[list[tuple[int, int]], list[int]]:
-    """((height, width) sizes, batch sizes) a compiled pool must warm up: every pipeline call it can make."""
-    sizes = [parse_size(s, f"args.pools.{pool}.compile_sizes") for s in args.compile_sizes(pool)]
-    # A batch-invariant pool runs one request per pipeline call; otherwise a call holds 1..max_batch_size.
-    top = 1 if args.pools[pool].batch_invariant else args.max_batch_size
-    return sizes, list(range(1, top + 1))
 
 
 @serve.deployment(max_ongoing_requests=8)

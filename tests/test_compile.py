@@ -6,6 +6,7 @@ refuse to mount, so compiled high is compared with eager (unmounted) high: same 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +143,7 @@ def test_bad_high_compile_options_are_config_errors(high: dict, message: str) ->
 
 
 def test_high_pool_compile_warm_up_plan() -> None:
-    from deployments.replica import compile_warmup_plan
+    from deployments.config import compile_warmup_plan
 
     args = AppArgs.parse({"default_size": "256x128", "max_batch_size": 3, "pools": {"high": {"compile": True}}})
     assert args.pools["high"].compile and not args.pools["lossless"].compile
@@ -154,19 +155,33 @@ def test_high_pool_compile_warm_up_plan() -> None:
     assert AppArgs.parse(None).compile_sizes("high") == []  # off by default
 
 
+# In a subprocess: importing Ray in this process would fix its auth mode before tests/test_serve.py sets it.
+_REPLICA_SCRIPT = """
+from deployments.config import COMPILE_WARMUP_STEPS, AppArgs
+from deployments.replica import FluxReplica
+
+calls = []
+
+class Pipe:
+    def enable_compile(self, sizes, steps, batch_sizes):
+        calls.append((sizes, steps, batch_sizes))
+        return 1.5
+
+cls = FluxReplica.func_or_class
+replica = cls.__new__(cls)
+replica.args = AppArgs.parse({"max_batch_size": 2, "pools": {"high": {"compile": True}}})
+replica.pool = "high"
+replica._pipe, replica._tp = Pipe(), None
+replica._warm_up_compile()
+assert calls == [([(256, 256)], COMPILE_WARMUP_STEPS, [1, 2])], calls
+print("warm-up plan ok")
+"""
+
+
 def test_replica_warms_up_the_plan_through_enable_compile() -> None:
-    from deployments.replica import COMPILE_WARMUP_STEPS, FluxReplica
+    import subprocess
+    import sys
 
-    calls: list[tuple] = []
-
-    class _Pipe:
-        def enable_compile(self, sizes, steps, batch_sizes):
-            calls.append((sizes, steps, batch_sizes))
-            return 1.5
-
-    replica = FluxReplica.func_or_class.__new__(FluxReplica.func_or_class)
-    replica.args = AppArgs.parse({"max_batch_size": 2, "pools": {"high": {"compile": True}}})
-    replica.pool = "high"
-    replica._pipe, replica._tp = _Pipe(), None
-    replica._warm_up_compile()
-    assert calls == [([(256, 256)], COMPILE_WARMUP_STEPS, [1, 2])]
+    done = subprocess.run([sys.executable, "-c", _REPLICA_SCRIPT], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    assert done.returncode == 0 and "warm-up plan ok" in done.stdout, done.stderr[-3000:]
