@@ -185,3 +185,31 @@ def test_replica_warms_up_the_plan_through_enable_compile() -> None:
     done = subprocess.run([sys.executable, "-c", _REPLICA_SCRIPT], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     assert done.returncode == 0 and "warm-up plan ok" in done.stdout, done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels under a trace
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("decided, expected", [("unfused", "unfused"), ("triton_tma", "cublaslt"), (None, "cublaslt")])
+def test_gelu_dispatch_never_times_inside_a_trace(monkeypatch, decided: str | None, expected: str) -> None:
+    """Traced (fullgraph, no break): the eagerly decided impl if traceable, else the fixed cuBLASLt epilogue; the
+    timing path must not run. On the CPU the two are told apart by their numbers (the CPU epilogue is erf GELU)."""
+    import kernels.gelu as G
+
+    def no_timing(*_a):
+        raise AssertionError("timed inside a trace")
+
+    monkeypatch.setattr(G, "_decide_by_timing", no_timing)
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((8, 16), (32, 16), (32,)))
+    monkeypatch.setattr(G, "_gelu_choice", {} if decided is None else
+                        {(8, 32, 16, torch.float32, None): decided})
+    fn = torch.compile(lambda x, w, b: G.GELU_IMPLS[G._choose_impl(x, w, b)](x, w, b), backend="eager",
+                       fullgraph=True)
+    out = fn(x, w, b)
+    torch.testing.assert_close(out, G.GELU_IMPLS[expected](x, w, b), rtol=0, atol=0)
+    other = "cublaslt" if expected == "unfused" else "unfused"
+    assert not torch.allclose(out, G.GELU_IMPLS[other](x, w, b), atol=1e-4)
+    assert G._gelu_choice == ({} if decided is None else {(8, 32, 16, torch.float32, None): decided})  # not cached
