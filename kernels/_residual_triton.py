@@ -3,6 +3,8 @@
 Bit-exactness with eager: aten's CUDA `mul` of two half tensors computes in fp32 and rounds to the half type;
 `add` does the same with the rounded product. The kernel repeats both rounding points (product -> half -> fp32)
 and is launched with `enable_fp_fusion=False`, so no FMA can merge the multiply into the add.
+With CLIP > 0 it also applies diffusers' fp16 overflow guard `.clip(-CLIP, CLIP)` to the rounded sum, saving the
+separate clip kernel its full read and write (NaN stays NaN, as in aten's clamp).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def _residual_gate_add_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_INT64: tl.constexpr,
+    CLIP: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -53,13 +56,24 @@ def _residual_gate_add_kernel(
     out_ty = o_ptr.dtype.element_ty
     prod = (g.to(tl.float32)[None, :] * u.to(tl.float32)).to(out_ty, fp_downcast_rounding="rtne")  # eager `gate * update` rounds here
     out = (r.to(tl.float32) + prod.to(tl.float32)).to(out_ty, fp_downcast_rounding="rtne")  # eager `residual + ...` rounds here
+    if CLIP > 0:
+        # Clamp the already-rounded sum (exact: CLIP is representable in fp16); comparisons with NaN are false.
+        o = out.to(tl.float32)
+        o = tl.where(o > CLIP, CLIP, tl.where(o < -CLIP, -CLIP, o))
+        out = o.to(out_ty)
     tl.store(o_ptr + offs, out, mask=mask)
 
 
 def launch(
-    residual: torch.Tensor, update: torch.Tensor, gate3: torch.Tensor, config: dict | None = None
+    residual: torch.Tensor,
+    update: torch.Tensor,
+    gate3: torch.Tensor,
+    config: dict | None = None,
+    clip: float | None = None,
 ) -> torch.Tensor:
     """residual/update: contiguous [B, S, D]; gate3: [B, 1, D] view (batch stride any, last stride 1).
+
+    clip: if set, the result is clamped to [-clip, clip] (eager `.clip(-clip, clip)` after the add).
 
     config: {"BLOCK_S", "BLOCK_D", "num_warps"}; DEFAULT_CONFIG when None.
     """
@@ -70,6 +84,7 @@ def launch(
     cfg = DEFAULT_CONFIG if config is None else config
     grid = (triton.cdiv(S, cfg["BLOCK_S"]), triton.cdiv(D, cfg["BLOCK_D"]), B)
     _residual_gate_add_kernel[grid](
-        residual, update, gate3, out, B, S, D, gate3.stride(0), USE_INT64=use_int64, enable_fp_fusion=False, **cfg
+        residual, update, gate3, out, B, S, D, gate3.stride(0), USE_INT64=use_int64, CLIP=float(clip or 0.0),
+        enable_fp_fusion=False, **cfg
     )
     return out

@@ -30,8 +30,9 @@ def triton_calls() -> int:
     return _triton_calls
 
 
-def _eager(residual: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    return residual + gate * update
+def _eager(residual: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, clip: float | None = None) -> torch.Tensor:
+    out = residual + gate * update
+    return out if clip is None else out.clip(-clip, clip)
 
 
 def _device_supported(device: torch.device) -> bool:
@@ -71,23 +72,25 @@ def _fast_path_args(
     return _gate_as_b1d(residual, gate)
 
 
-def _launch(residual: torch.Tensor, update: torch.Tensor, gate3: torch.Tensor) -> torch.Tensor:
+def _launch(residual: torch.Tensor, update: torch.Tensor, gate3: torch.Tensor, clip: float | None) -> torch.Tensor:
     global _triton_calls
     from . import _residual_triton
 
-    out = _residual_triton.launch(residual, update, gate3)
+    out = _residual_triton.launch(residual, update, gate3, clip=clip)
     _triton_calls += 1
     return out
 
 
 # The traceable path for torch.compile: an opaque custom op (Dynamo/Inductor call it, never trace the launcher).
 @torch.library.custom_op("fluxserve::residual_gate_add", mutates_args=())
-def _residual_gate_add_op(residual: torch.Tensor, update: torch.Tensor, gate3: torch.Tensor) -> torch.Tensor:
-    return _launch(residual, update, gate3)
+def _residual_gate_add_op(
+    residual: torch.Tensor, update: torch.Tensor, gate3: torch.Tensor, clip: float | None
+) -> torch.Tensor:
+    return _launch(residual, update, gate3, clip)
 
 
 @_residual_gate_add_op.register_fake
-def _(residual: torch.Tensor, update: torch.Tensor, gate3: torch.Tensor) -> torch.Tensor:
+def _(residual: torch.Tensor, update: torch.Tensor, gate3: torch.Tensor, clip: float | None) -> torch.Tensor:
     return torch.empty_like(residual, memory_format=torch.contiguous_format)
 
 
@@ -95,23 +98,26 @@ def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def residual_gate_add(residual: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def residual_gate_add(
+    residual: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, clip: float | None = None
+) -> torch.Tensor:
     """`residual + gate * update`, bit for bit; a Triton kernel on CUDA fp16/bf16, the eager expression otherwise.
 
     gate: [D], [1, 1, D] or [B, 1, D] (any batch stride, e.g. a `.chunk()` of the AdaLN output).
+    clip: if set, also `.clip(-clip, clip)` of the result (diffusers' fp16 overflow guard), in the same pass.
     Under torch.compile a kernel failure raises; outside it, the first failure logs one warning and the
     process uses eager from then on (see `reset_fast_path`).
     """
     global _fast_path_disabled
     if _fast_path_disabled:
-        return _eager(residual, update, gate)
+        return _eager(residual, update, gate, clip)
     gate3 = _fast_path_args(residual, update, gate)
     if gate3 is None:
-        return _eager(residual, update, gate)
+        return _eager(residual, update, gate, clip)
     if _is_compiling():
-        return _residual_gate_add_op(residual, update, gate3)
+        return _residual_gate_add_op(residual, update, gate3, clip)
     try:
-        return _launch(residual, update, gate3)
+        return _launch(residual, update, gate3, clip)
     except Exception as exc:  # noqa: BLE001 - any kernel/compiler failure must degrade to eager, once
         _fast_path_disabled = True
         logger.warning(
@@ -120,4 +126,4 @@ def residual_gate_add(residual: torch.Tensor, update: torch.Tensor, gate: torch.
             type(exc).__name__,
             exc,
         )
-        return _eager(residual, update, gate)
+        return _eager(residual, update, gate, clip)

@@ -64,6 +64,11 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask
     return out.permute(0, 2, 1, 3)
 
 
+def _fp16_clip(x: torch.Tensor) -> float | None:
+    """diffusers clips fp16 block outputs to the fp16 range (+-65504); other dtypes are not clipped."""
+    return 65504.0 if x.dtype == torch.float16 else None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,12 +272,11 @@ class FluxTransformerBlock(nn.Module):
         # Text stream.
         encoder_hidden_states = residual_gate_add(encoder_hidden_states, context_attn_output, c_gate_msa.unsqueeze(1))
         norm_encoder_hidden_states = modulate(self.norm2_context(encoder_hidden_states), c_scale_mlp, c_shift_mlp)
+        # diffusers clips only the text stream here (fp16 overflow guard); folded into the residual kernel.
         encoder_hidden_states = residual_gate_add(
-            encoder_hidden_states, self.ff_context(norm_encoder_hidden_states), c_gate_mlp.unsqueeze(1)
+            encoder_hidden_states, self.ff_context(norm_encoder_hidden_states), c_gate_mlp.unsqueeze(1),
+            clip=_fp16_clip(encoder_hidden_states),
         )
-        # diffusers clips only the text stream here (fp16 overflow guard).
-        if encoder_hidden_states.dtype == torch.float16:
-            encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
         return encoder_hidden_states, hidden_states
 
 
@@ -304,10 +308,7 @@ class FluxSingleTransformerBlock(nn.Module):
         mlp_hidden_states = gelu_site(self, "proj_mlp", norm_hidden_states)
         attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
         update = self.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
-        joint = residual_gate_add(joint, update, gate.unsqueeze(1))
-        if joint.dtype == torch.float16:
-            joint = joint.clip(-65504, 65504)
-        return joint
+        return residual_gate_add(joint, update, gate.unsqueeze(1), clip=_fp16_clip(joint))
 
     def forward(
         self,

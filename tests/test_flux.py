@@ -158,9 +158,9 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple]:
     calls: list[tuple] = []
     real = getattr(flux, name)
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(args)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(flux, name, spy)
     return calls

@@ -57,11 +57,12 @@ class _LaunchSpy:
         self.calls: list[tuple] = []
         self.fail = fail
 
-    def __call__(self, residual, update, gate3):
+    def __call__(self, residual, update, gate3, clip=None):
         self.calls.append((residual.shape, gate3.shape, gate3.stride()))
         if self.fail is not None:
             raise self.fail
-        return residual + gate3 * update
+        out = residual + gate3 * update
+        return out if clip is None else out.clip(-clip, clip)
 
 
 @pytest.fixture
@@ -85,6 +86,19 @@ def test_residual_on_cpu_is_the_eager_expression(dtype, gate, monkeypatch):
     out = kernels.residual_gate_add(r, u, g)
     assert torch.equal(out, r + g * u)
     assert spy.calls == []  # the CPU guard refused before any launch
+
+
+def test_residual_clip_reaches_the_kernel_and_fallback(fake_cuda_residual, monkeypatch):
+    """`clip` is eager's `.clip(-c, c)` after the add, on the fast path and on the eager fallback alike."""
+    r, u, g = _inputs(B=2, gate="chunk6")
+    r, u, g = r.half() * 1e4, u.half() * 300, g.half() * 300  # finite r: inf sums, no NaN
+    ref = (r + g * u).clip(-65504, 65504)
+    assert torch.isinf(r + g * u).any()
+    assert torch.equal(kernels.residual_gate_add(r, u, g, clip=65504.0), ref)
+    assert len(fake_cuda_residual.calls) == 1
+    monkeypatch.setattr(R, "_device_supported", lambda device: False)  # CPU: the eager expression, same clip
+    assert torch.equal(kernels.residual_gate_add(r, u, g, clip=65504.0), ref)
+    assert len(fake_cuda_residual.calls) == 1
 
 
 @pytest.mark.parametrize(
@@ -429,6 +443,15 @@ for B, S, D in [(1, 33, 96), (2, 17, 64), (3, 5, 48)]:
         out = T.launch(r, u, _gate_as_b1d(r, g), config=cfg)
         assert torch.equal(out, r + g * u), (B, S, D, g.shape, (out.float() - (r + g * u).float()).abs().max())
         n += 1
+# fp16 overflow guard folded into the kernel: == eager `(r + g * u).clip(-65504, 65504)`, inf and NaN included
+r = (torch.randn(2, 9, 40) * 6e4).half(); u = (torch.randn(2, 9, 40) * 300).half()
+g = (torch.randn(2, 3 * 40) * 300).half().chunk(3, dim=1)[2].unsqueeze(1)
+r[0, 0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 65504.0]).half()
+ref = (r + g * u).clip(-65504, 65504)
+assert torch.isinf(r + g * u).any() and not torch.isinf(ref).any() and torch.isnan(ref).any()
+out = T.launch(r, u, _gate_as_b1d(r, g), config=dict(BLOCK_S=4, BLOCK_D=32, num_warps=4), clip=65504.0)
+assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+n += 1
 print("OK", n)
 """
 
@@ -446,7 +469,7 @@ def test_triton_kernel_indexing_in_the_interpreter():
     proc = subprocess.run(
         [sys.executable, "-c", _INTERPRET_PROBE], env=env, capture_output=True, text=True, timeout=120
     )
-    assert proc.returncode == 0 and "OK 12" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "OK 13" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_gelu_dispatch_picks_fastest_correct_impl_with_margin(monkeypatch):

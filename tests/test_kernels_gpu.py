@@ -66,6 +66,11 @@ def test_residual_kernel_overflow_and_ties_fp16():
     ref = r + g * u
     assert torch.isinf(ref).any()
     assert torch.equal(out, ref)
+    # diffusers' fp16 guard folded into the same pass: == `(r + g * u).clip(-65504, 65504)`
+    before = R.triton_calls()
+    clipped = kernels.residual_gate_add(r, u, g, clip=65504.0)
+    assert R.triton_calls() == before + 1
+    assert torch.equal(clipped, ref.clip(-65504, 65504)) and not torch.isinf(clipped).any()
 
 
 def test_residual_noncontiguous_runs_eager_on_gpu():
