@@ -114,35 +114,30 @@ class FluxFeedForward(nn.Module):
 
 
 class FluxAdaLayerNormZero(nn.Module):
-    """AdaLN-Zero of a double block (diffusers `AdaLayerNormZero`, layer_norm, no class embedding)."""
+    """AdaLN-Zero of a double block (diffusers `AdaLayerNormZero`, layer_norm, no class embedding).
+
+    `linear(silu(emb))` gives `chunks` vectors, shift and scale first; forward returns the modulated norm of x
+    followed by the remaining chunks (gate_msa, shift_mlp, scale_mlp, gate_mlp here; gate_msa for the single block).
+    """
+
+    chunks = 6
 
     def __init__(self, embedding_dim: int, bias: bool = True) -> None:
         super().__init__()
         self.silu = nn.SiLU()
-        self.linear = nn.Linear(embedding_dim, 6 * embedding_dim, bias=bias)
+        self.linear = nn.Linear(embedding_dim, self.chunks * embedding_dim, bias=bias)
         self.norm = nn.LayerNorm(embedding_dim, elementwise_affine=False, eps=1e-6)
 
-    def forward(
-        self, x: torch.Tensor, emb: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
         emb = self.linear(self.silu(emb))
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-        return modulate(self.norm(x), scale_msa, shift_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
+        shift_msa, scale_msa, *rest = emb.chunk(self.chunks, dim=1)
+        return (modulate(self.norm(x), scale_msa, shift_msa), *rest)
 
 
-class FluxAdaLayerNormZeroSingle(nn.Module):
-    """AdaLN-Zero of a single block (diffusers `AdaLayerNormZeroSingle`)."""
+class FluxAdaLayerNormZeroSingle(FluxAdaLayerNormZero):
+    """AdaLN-Zero of a single block (diffusers `AdaLayerNormZeroSingle`): shift, scale, gate."""
 
-    def __init__(self, embedding_dim: int, bias: bool = True) -> None:
-        super().__init__()
-        self.silu = nn.SiLU()
-        self.linear = nn.Linear(embedding_dim, 3 * embedding_dim, bias=bias)
-        self.norm = nn.LayerNorm(embedding_dim, elementwise_affine=False, eps=1e-6)
-
-    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        emb = self.linear(self.silu(emb))
-        shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
-        return modulate(self.norm(x), scale_msa, shift_msa), gate_msa
+    chunks = 3
 
 
 class FluxAttention(nn.Module):
