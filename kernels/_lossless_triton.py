@@ -161,3 +161,316 @@ def modulate(
         TY=_TL_DTYPE[normed.dtype], enable_fp_fusion=False, **(config or MODULATE_CONFIG),
     )
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LayerNorm (no affine) + AdaLN modulation: modulate(F.layer_norm(x, (D,), eps=eps), scale, shift)
+# ----------------------------------------------------------------------------------------------------------------
+#
+# Exact variant: aten's CUDA LayerNorm (`vectorized_layer_norm_kernel`, taken when D % 4 == 0 and the rows are
+# aligned) computes the row statistics with one 128-thread block per row (32 lanes x 4 warps): thread t reads
+# 4-element vectors t, t + 128, ... and folds each element into a Welford state (mean, m2, count); then a warp
+# shuffle-down tree (offsets 16..1) and a shared-memory tree over the 4 warps combine the states. We replay that
+# exact order on tensors shaped like the thread block ([128] states, split in halves the way the shuffles pair
+# lanes), so the fp32 mean and rstd are the same bits; then `rstd * (x - mean)` rounds once to the input dtype
+# like aten, and the modulation repeats eager's three roundings.
+#
+# nvcc contracts some of aten's `a + b * c` into FMAs; which ones is a property of the compiled library, not of
+# the source. The FMA_* switches reproduce each choice; LN_FMA_VARIANT is the one measured to match torch's
+# CUDA build (tests/test_kernels_gpu.py searches all of them and asserts the default matches).
+
+LN_THREADS = 128  # aten: num_threads() = 4 warps of 32
+LN_VEC = 4  # aten: vec_size, fixed for every dtype
+# (online-mean FMA, online-m2 FMA, combine-mean form {0: none, 1: fma(nA, mA, nB*mB), 2: fma(nB, mB, nA*mA)},
+#  combine-m2 FMA)
+LN_FMA_VARIANT = (True, True, 1, True)
+
+
+@triton.jit
+def _welford_add(mean, m2, cnt, v, valid, FMA_MEAN: tl.constexpr, FMA_M2: tl.constexpr):
+    # aten cuWelfordOnlineSum: delta = v - mean; n += 1; mean += delta * (1/n); m2 += delta * (v - mean_new)
+    delta = v - mean
+    new_cnt = cnt + 1.0
+    rcp = tl.math.div_rn(tl.full(new_cnt.shape, 1.0, tl.float32), new_cnt)
+    if FMA_MEAN:
+        new_mean = tl.fma(delta, rcp, mean)
+    else:
+        new_mean = mean + delta * rcp
+    d2 = v - new_mean
+    if FMA_M2:
+        new_m2 = tl.fma(delta, d2, m2)
+    else:
+        new_m2 = m2 + delta * d2
+    return tl.where(valid, new_mean, mean), tl.where(valid, new_m2, m2), tl.where(valid, new_cnt, cnt)
+
+
+@triton.jit
+def _welford_combine(mB, sB, cB, mA, sA, cA, MEAN_FORM: tl.constexpr, FMA_S: tl.constexpr):
+    # aten cuWelfordCombine(dataB = own lane/warp, dataA = the one shuffled in)
+    delta = mB - mA
+    count = cA + cB
+    coef = tl.math.div_rn(tl.full(count.shape, 1.0, tl.float32), count)
+    nA = cA * coef
+    nB = cB * coef
+    if MEAN_FORM == 0:
+        mean = nA * mA + nB * mB
+    elif MEAN_FORM == 1:
+        mean = tl.fma(nA, mA, nB * mB)
+    else:
+        mean = tl.fma(nB, mB, nA * mA)
+    t = delta * delta * cA
+    if FMA_S:
+        s = tl.fma(t, nB, sA + sB)
+    else:
+        s = (sA + sB) + t * nB
+    nonempty = count > 0.0
+    return tl.where(nonempty, mean, 0.0), tl.where(nonempty, s, 0.0), count
+
+
+@triton.jit
+def _halves(t, W: tl.constexpr, O: tl.constexpr):
+    # [W, 2*O] lanes -> (lanes 0..O-1, lanes O..2O-1): the pairing of a shuffle-down by O.
+    return tl.split(tl.permute(tl.reshape(t, (W, 2, O)), (0, 2, 1)))
+
+
+@triton.jit
+def _shuffle_down_combine(mean, m2, cnt, O: tl.constexpr, MEAN_FORM: tl.constexpr, FMA_S: tl.constexpr):
+    # One shuffle-down step by O over [4 warps, 2*O lanes]: lane i absorbs lane i + O.
+    mB, mA = _halves(mean, 4, O)
+    sB, sA = _halves(m2, 4, O)
+    cB, cA = _halves(cnt, 4, O)
+    return _welford_combine(mB, sB, cB, mA, sA, cA, MEAN_FORM, FMA_S)
+
+
+@triton.jit
+def _ln_modulate_exact_kernel(
+    x_ptr, scale_ptr, shift_ptr, out_ptr, mean_ptr, rstd_ptr,
+    S, N, x_sb, x_ss, scale_sb, shift_sb, eps,
+    TY: tl.constexpr, ITERS: tl.constexpr, WRITE_STATS: tl.constexpr,
+    FMA_MEAN: tl.constexpr, FMA_M2: tl.constexpr, MEAN_FORM: tl.constexpr, FMA_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    x_row = x_ptr + b * x_sb + row * x_ss
+    t = tl.arange(0, 128)
+    nvec = N // 4
+    mean = tl.zeros((128,), tl.float32)
+    m2 = tl.zeros((128,), tl.float32)
+    cnt = tl.zeros((128,), tl.float32)
+    for it in tl.static_range(ITERS):
+        vec = it * 128 + t
+        valid = vec < nvec
+        for ii in tl.static_range(4):
+            v = tl.load(x_row + vec * 4 + ii, mask=valid, other=0.0).to(tl.float32)
+            mean, m2, cnt = _welford_add(mean, m2, cnt, v, valid, FMA_MEAN, FMA_M2)
+    # intra-warp shuffle-down tree: [warp, lane]
+    mean = tl.reshape(mean, (4, 32))
+    m2 = tl.reshape(m2, (4, 32))
+    cnt = tl.reshape(cnt, (4, 32))
+    mean, m2, cnt = _shuffle_down_combine(mean, m2, cnt, 16, MEAN_FORM, FMA_S)
+    mean, m2, cnt = _shuffle_down_combine(mean, m2, cnt, 8, MEAN_FORM, FMA_S)
+    mean, m2, cnt = _shuffle_down_combine(mean, m2, cnt, 4, MEAN_FORM, FMA_S)
+    mean, m2, cnt = _shuffle_down_combine(mean, m2, cnt, 2, MEAN_FORM, FMA_S)
+    mean, m2, cnt = _shuffle_down_combine(mean, m2, cnt, 1, MEAN_FORM, FMA_S)
+    # now [4, 1] -> lane 0 of each warp; shared-memory tree: warps (0,1) absorb (2,3), then warp 0 absorbs 1
+    mean = tl.reshape(mean, (2, 2))
+    m2 = tl.reshape(m2, (2, 2))
+    cnt = tl.reshape(cnt, (2, 2))
+    mB, mA = tl.split(tl.permute(mean, (1, 0)))
+    sB, sA = tl.split(tl.permute(m2, (1, 0)))
+    cB, cA = tl.split(tl.permute(cnt, (1, 0)))
+    mean, m2, cnt = _welford_combine(mB, sB, cB, mA, sA, cA, MEAN_FORM, FMA_S)
+    mB, mA = tl.split(mean)
+    sB, sA = tl.split(m2)
+    cB, cA = tl.split(cnt)
+    mean, m2, cnt = _welford_combine(mB, sB, cB, mA, sA, cA, MEAN_FORM, FMA_S)
+    var = tl.math.div_rn(m2, N.to(tl.float32))
+    rstd = tl.math.rsqrt(var + eps)
+    if WRITE_STATS:  # what aten's native_layer_norm returns beside its output (tests compare them bit for bit)
+        tl.store(mean_ptr + b * S + row, mean)
+        tl.store(rstd_ptr + b * S + row, rstd)
+    # normalise + modulate, same thread-to-element map as the statistics pass (the row is hot in L1/L2)
+    out_row = out_ptr + (b * S + row) * N
+    for it in tl.static_range(ITERS):
+        vec = it * 128 + t
+        valid = vec < nvec
+        for ii in tl.static_range(4):
+            col = vec * 4 + ii
+            v = tl.load(x_row + col, mask=valid, other=0.0).to(tl.float32)
+            sc = tl.load(scale_ptr + b * scale_sb + col, mask=valid, other=0.0).to(tl.float32)
+            sh = tl.load(shift_ptr + b * shift_sb + col, mask=valid, other=0.0).to(tl.float32)
+            normed = _round(rstd * (v - mean), TY)  # aten LayerNorm's output
+            prod = _round(normed * _round(sc + 1.0, TY), TY)  # eager `normed * (1 + scale)`
+            tl.store(out_row + col, _cast(prod + sh, TY), mask=valid)
+
+
+def ln_modulate_exact(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float,
+    variant: tuple[bool, bool, int, bool] | None = None, stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """x [B, S, D] (D % 4 == 0, unit last stride), scale/shift [B, D] with unit last stride.
+
+    variant: the FMA choices (default LN_FMA_VARIANT); stats: fp32 [B * S] buffers that receive mean and rstd."""
+    B, S, D = x.shape
+    out = torch.empty((B, S, D), dtype=x.dtype, device=x.device)
+    fma_mean, fma_m2, mean_form, fma_s = variant or LN_FMA_VARIANT
+    iters = triton.cdiv(D // LN_VEC, LN_THREADS)
+    mean_buf, rstd_buf = stats if stats is not None else (out, out)
+    _ln_modulate_exact_kernel[(S, B)](
+        x, scale, shift, out, mean_buf, rstd_buf, S, D, x.stride(0), x.stride(1), scale.stride(0), shift.stride(0),
+        eps, TY=_TL_DTYPE[x.dtype], ITERS=iters, WRITE_STATS=stats is not None,
+        FMA_MEAN=fma_mean, FMA_M2=fma_m2, MEAN_FORM=mean_form, FMA_S=fma_s,
+        enable_fp_fusion=False, num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _ln_modulate_fast_kernel(
+    x_ptr, scale_ptr, shift_ptr, out_ptr,
+    S, N, x_sb, x_ss, scale_sb, shift_sb, eps,
+    TY: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Not bit-exact (quality "high"): two-pass statistics over the row held in registers, FMAs allowed, and one
+    # rounding at the end instead of eager's three.
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + b * x_sb + row * x_ss + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / N
+    xc = tl.where(mask, x - mean, 0.0)
+    rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=0) / N + eps)
+    sc = tl.load(scale_ptr + b * scale_sb + cols, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + b * shift_sb + cols, mask=mask, other=0.0).to(tl.float32)
+    y = xc * rstd * (1.0 + sc) + sh
+    tl.store(out_ptr + (b * S + row) * N + cols, _cast(y, TY), mask=mask)
+
+
+def ln_modulate_fast(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+    B, S, D = x.shape
+    out = torch.empty((B, S, D), dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(D)
+    _ln_modulate_fast_kernel[(S, B)](
+        x, scale, shift, out, S, D, x.stride(0), x.stride(1), scale.stride(0), shift.stride(0), eps,
+        TY=_TL_DTYPE[x.dtype], BLOCK_N=block, num_warps=max(1, min(8, block // 512)),
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# QK RMSNorm + RoPE on [text; image] -> joint buffer
+# ----------------------------------------------------------------------------------------------------------------
+#
+# torch's CUDA `rms_norm` (what nn.RMSNorm calls) is aten's vectorised LayerNorm kernel in its rms mode: one
+# 128-thread block per (token, head) row of D elements; thread t sums the squares of its 4-element vectors in order,
+# then a shuffle-down tree adds lanes (offsets 16..1) and the 4 warps add up (lanes past D/4 hold 0, so with
+# D <= 128 only warp 0 carries data). ms = sum / D; rstd = rsqrt(ms + eps); y = weight * (rstd * x), one rounding.
+# The kernel replays that per head, then applies RoPE to the normalised values and writes the joint tensor.
+
+RMS_FMA_SQUARES = True  # nvcc contracts `sigma2 + val * val`; tests/bench check it against torch
+
+
+@triton.jit
+def _rms_rope_cat_kernel(
+    txt_ptr, img_ptr, wt_ptr, wi_ptr, cos_ptr, sin_ptr, out_ptr,
+    T, I, HD, eps_t, eps_i,
+    txt_sb, txt_ss, img_sb, img_ss,
+    TY: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, FMA_SQ: tl.constexpr,
+):
+    # One token row (b, s) per program along axis 0; BLOCK columns = BLOCK // D whole heads along axis 1.
+    row = tl.program_id(0).to(tl.int64)
+    S = T + I
+    b = row // S
+    s = row % S
+    HB: tl.constexpr = BLOCK // D
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < HD
+    if s < T:
+        base = txt_ptr + b * txt_sb + s * txt_ss
+        w_ptr = wt_ptr
+        eps = eps_t
+    else:
+        base = img_ptr + b * img_sb + (s - T) * img_ss
+        w_ptr = wi_ptr
+        eps = eps_i
+    x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+    # per-lane sums of squares: lane l of a head owns elements 4l..4l+3, added in order
+    x4 = tl.reshape(x, (HB, D // 4, 2, 2))
+    e02, e13 = tl.split(x4)
+    e0, e2 = tl.split(e02)
+    e1, e3 = tl.split(e13)
+    acc = e0 * e0
+    if FMA_SQ:
+        acc = tl.fma(e1, e1, acc)
+        acc = tl.fma(e2, e2, acc)
+        acc = tl.fma(e3, e3, acc)
+    else:
+        acc = acc + e1 * e1
+        acc = acc + e2 * e2
+        acc = acc + e3 * e3
+    # shuffle-down tree over the D // 4 lanes (D = 128: 32 lanes, one warp)
+    acc = _lane_tree_sum(acc, HB, D // 4)
+    rstd = tl.math.rsqrt(tl.math.div_rn(acc, tl.full(acc.shape, D, tl.float32)) + eps)  # [HB]
+    rstd_cols = tl.reshape(tl.broadcast_to(tl.reshape(rstd, (HB, 1)), (HB, D)), (BLOCK,))
+    d = cols % D
+    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    xn = _round(w * (rstd_cols * x), TY)  # torch rms_norm's output
+    # RoPE on interleaved pairs: out[2i] = xn[2i] cos - xn[2i+1] sin; out[2i+1] = xn[2i+1] cos + xn[2i] sin
+    c = tl.load(cos_ptr + s * D + d, mask=mask, other=0.0)
+    sn = tl.load(sin_ptr + s * D + d, mask=mask, other=0.0)
+    ev, od = tl.split(tl.reshape(xn, (BLOCK // 2, 2)))
+    c_ev, c_od = tl.split(tl.reshape(c, (BLOCK // 2, 2)))
+    s_ev, s_od = tl.split(tl.reshape(sn, (BLOCK // 2, 2)))
+    y_ev = ev * c_ev + (-od) * s_ev
+    y_od = od * c_od + ev * s_od
+    y = tl.reshape(tl.join(y_ev, y_od), (BLOCK,))
+    tl.store(out_ptr + row * HD + cols, _cast(y, TY), mask=mask)
+
+
+@triton.jit
+def _lane_tree_sum(acc, HB: tl.constexpr, LANES: tl.constexpr):
+    # [HB, LANES] -> [HB]: lane i adds lane i + o for o = LANES/2 .. 1 (aten's WARP_SHFL_DOWN loop; adding the
+    # idle warps' zeros afterwards changes nothing). LANES is a power of two <= 32.
+    if LANES >= 32:
+        a, c = _halves(acc, HB, 16)
+        acc = a + c
+    if LANES >= 16:
+        a, c = _halves(acc, HB, 8)
+        acc = a + c
+    if LANES >= 8:
+        a, c = _halves(acc, HB, 4)
+        acc = a + c
+    if LANES >= 4:
+        a, c = _halves(acc, HB, 2)
+        acc = a + c
+    if LANES >= 2:
+        a, c = _halves(acc, HB, 1)
+        acc = a + c
+    return tl.reshape(acc, (HB,))
+
+
+def rms_rope_cat(
+    txt: torch.Tensor | None, img: torch.Tensor, w_txt: torch.Tensor | None, w_img: torch.Tensor,
+    eps_txt: float, eps_img: float, cos: torch.Tensor, sin: torch.Tensor, fma_squares: bool | None = None,
+) -> torch.Tensor:
+    """RoPE(cat([rms_norm(txt), rms_norm(img)])) for txt/img [B, *, H, D] with contiguous (H, D) rows,
+    D a power of two in [8, 128]; weights [D]; cos/sin fp32 [T + I, D]."""
+    B, I, H, D = img.shape
+    T = 0 if txt is None else txt.shape[1]
+    src_t = img if txt is None else txt
+    w_t = w_img if w_txt is None else w_txt
+    out = torch.empty((B, T + I, H, D), dtype=img.dtype, device=img.device)
+    HD = H * D
+    heads = 1  # heads per program: a power of two dividing H, at most 1024 columns
+    while heads * 2 * D <= 1024 and H % (heads * 2) == 0:
+        heads *= 2
+    block = heads * D
+    _rms_rope_cat_kernel[(B * (T + I), triton.cdiv(HD, block))](
+        src_t, img, w_t, w_img, cos, sin, out, T, I, HD, float(eps_txt if txt is not None else eps_img),
+        float(eps_img), src_t.stride(0), src_t.stride(1), img.stride(0), img.stride(1),
+        TY=_TL_DTYPE[img.dtype], D=D, BLOCK=block,
+        FMA_SQ=RMS_FMA_SQUARES if fma_squares is None else fma_squares,
+        enable_fp_fusion=False, num_warps=4,
+    )
+    return out

@@ -222,16 +222,22 @@ def mark_fused_gelu_site(module: nn.Module, attr: str) -> None:
     sites.setdefault(attr, False)
 
 
-def gelu_site(module: nn.Module, attr: str, x: torch.Tensor) -> torch.Tensor:
+def gelu_site(module: nn.Module, attr: str, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """What a site's forward calls. Unmounted: exactly `F.gelu(layer(x), approximate="tanh")`.
-    Mounted and the dynamic guard passes: the fused call; otherwise unfused."""
+    Mounted and the dynamic guard passes: the fused call; otherwise unfused.
+
+    out: write the result there (e.g. a column slice of a buffer the caller would otherwise `cat` into) and return
+    it; unmounted, the GELU itself writes into `out`, the same values as the allocating call."""
     layer = getattr(module, attr)
     sites = module.__dict__.get(_SITES_ATTR)
     if sites is not None and sites.get(attr, False):
         ok, _ = can_fuse_linear_gelu(layer, x)
         if ok:
-            return fused_linear_gelu_tanh(x, layer.weight, layer.bias)
-    return F.gelu(layer(x), approximate="tanh")
+            fused = fused_linear_gelu_tanh(x, layer.weight, layer.bias)
+            return fused if out is None else out.copy_(fused)
+    if out is None:
+        return F.gelu(layer(x), approximate="tanh")
+    return torch._C._nn.gelu(layer(x), approximate="tanh", out=out)
 
 
 @dataclass

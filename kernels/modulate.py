@@ -1,17 +1,34 @@
-"""AdaLN modulation `normed * (1 + scale[:, None]) + shift[:, None]` in one pass (lossless: bit-exact).
+"""AdaLN modulation, alone or together with the LayerNorm before it, in one pass.
 
-Eager runs three ops (the small `1 + scale`, then a full-size mul and add, each rounding to the input dtype); the
-kernel repeats those roundings in one read and one write of the activation. Guarded by `ExactGate`.
+`modulate`: `normed * (1 + scale[:, None]) + shift[:, None]`. Eager runs three ops (the small `1 + scale`, then a
+full-size mul and add, each rounding to the input dtype); the kernel repeats those roundings in one read and one
+write of the activation.
+
+`layer_norm_modulate`: `modulate(F.layer_norm(x, (D,), eps=eps), scale, shift)`. Lossless: a kernel that replays
+aten's CUDA LayerNorm reduction order (see `_lossless_triton`), so the normalised row has the same bits, then the
+modulation's roundings. Quality "high" may mount the fast variant on a model's norm sites (`set_fast_norm`):
+plain two-pass statistics and one rounding, not bit-exact. Both exact kernels are guarded by `ExactGate`.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from .exact import ExactGate, Signature, tensor_signature
 
+logger = logging.getLogger(__name__)
+
 GATE = ExactGate("modulate")
+LN_GATE = ExactGate("layer_norm_modulate")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_HALF = (torch.float16, torch.bfloat16)
+# Per-module flag: does this norm site run the fast (not bit-exact) LayerNorm+modulate kernel? A plain instance
+# attribute, like the GELU sites: copied by deepcopy, untouched by .to(), invisible to state_dict.
+_FAST_NORM_ATTR = "_fluxserve_fast_norm"
 
 
 def modulate_eager(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -42,3 +59,76 @@ def modulate(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> 
         return _lossless_triton.modulate(normed, scale, shift)
 
     return GATE.run(_signature(normed, scale, shift), fast, lambda: modulate_eager(normed, scale, shift))
+
+
+def layer_norm_modulate_eager(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """diffusers' `norm(x) * (1 + scale[:, None]) + shift[:, None]` with a non-affine LayerNorm (modulation via the
+    bit-exact `modulate`)."""
+    return modulate(F.layer_norm(x, (x.shape[-1],), eps=eps), scale, shift)
+
+
+def _ln_signature(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> Signature | None:
+    sig = _signature(x, scale, shift)
+    if sig is None:
+        return None
+    D = x.shape[2]
+    # aten takes its vectorised (Welford, 128-thread) kernel only for D % 4 == 0 and rows aligned to 4 elements;
+    # other inputs go to a different reduction, which we do not replay. F.layer_norm makes x contiguous first.
+    align = 4 * x.element_size()
+    if D % 4 != 0 or x.stride(1) != D or x.data_ptr() % align != 0:
+        return None
+    return (sig, float(eps))
+
+
+def _fast_supported(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> bool:
+    return (x.dtype in _HALF and _signature(x, scale, shift) is not None and x.shape[2] <= 16384
+            and not torch.compiler.is_compiling())
+
+
+def layer_norm_modulate(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, fast: bool = False
+) -> torch.Tensor:
+    """`modulate(F.layer_norm(x, (D,), eps=eps), scale, shift)` for x [B, S, D], scale/shift [B, D].
+
+    fast=False (lossless): bit-exact, one pass when the gate has verified the kernel for this signature, else
+    eager. fast=True (quality "high", CUDA fp16/bf16): the non-exact single-pass kernel; elsewhere the lossless path.
+    """
+    if fast and _fast_supported(x, scale, shift):
+        from . import _lossless_triton
+
+        return _lossless_triton.ln_modulate_fast(x, scale, shift, eps)
+
+    def exact() -> torch.Tensor:
+        from . import _lossless_triton
+
+        return _lossless_triton.ln_modulate_exact(x, scale, shift, eps)
+
+    return LN_GATE.run(_ln_signature(x, scale, shift, eps), exact,
+                       lambda: layer_norm_modulate_eager(x, scale, shift, eps))
+
+
+def mark_norm_site(module: nn.Module) -> None:
+    """Declare that `module` computes LayerNorm+modulate through `layer_norm_modulate(..., fast=fast_norm(module))`."""
+    setattr(module, _FAST_NORM_ATTR, False)
+
+
+def fast_norm(module: nn.Module) -> bool:
+    return bool(getattr(module, _FAST_NORM_ATTR, False))
+
+
+def set_fast_norm(model: nn.Module, on: bool) -> int:
+    """Switch every marked norm site of `model` to the fast kernel (on) or back to lossless; returns the number of
+    sites switched. Sites whose inputs the fast kernel does not support still run lossless."""
+    n = 0
+    for module in model.modules():
+        if hasattr(module, _FAST_NORM_ATTR):
+            setattr(module, _FAST_NORM_ATTR, bool(on))
+            n += 1
+    return n
+
+
+def fast_norm_sites(model: nn.Module) -> int:
+    """How many norm sites of `model` are switched to the fast kernel."""
+    return sum(1 for m in model.modules() if getattr(m, _FAST_NORM_ATTR, False))

@@ -3,15 +3,21 @@
 `rope_cat(txt, img, cos, sin)` == `apply_rope_eager(torch.cat([txt, img], dim=1), cos, sin)` bit for bit: one Triton
 pass reads both streams and writes the joint rotated tensor (eager: a cat plus ~8 elementwise passes with fp32
 temporaries). Used for q and k; `txt=None` is plain RoPE (single-stream blocks). Guarded by `ExactGate`.
+
+`rms_rope_cat(txt, img, norm_txt, norm_img, cos, sin)` also folds in the per-head QK RMSNorm that precedes RoPE
+(torch's CUDA rms_norm reduction order, replayed per head), so q and k go from the projection output to the joint
+rotated tensor in one pass. Its own gate; where it does not apply it is `rope_cat(norm_txt(txt), norm_img(img))`.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .exact import ExactGate, Signature, tensor_signature
 
 GATE = ExactGate("rope_cat")
+RMS_GATE = ExactGate("rms_rope_cat")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -63,3 +69,50 @@ def rope_cat(txt: torch.Tensor | None, img: torch.Tensor, cos: torch.Tensor, sin
         return _lossless_triton.rope_cat(txt, img, cos, sin)
 
     return GATE.run(_signature(txt, img, cos, sin), fast, lambda: rope_cat_eager(txt, img, cos, sin))
+
+
+def _rms_signature(
+    txt: torch.Tensor | None, img: torch.Tensor, norm_txt: nn.Module | None, norm_img: nn.Module,
+    cos: torch.Tensor, sin: torch.Tensor,
+) -> Signature | None:
+    sig = _signature(txt, img, cos, sin)
+    if sig is None:
+        return None
+    D = img.shape[3]
+    if D & (D - 1) or not 8 <= D <= 128:  # aten's per-row thread layout replayed here: one warp, 4-element vectors
+        return None
+    norms = [norm_img] if txt is None else [norm_txt, norm_img]
+    eps = []
+    for norm, t in zip(norms, [img] if txt is None else [txt, img]):
+        w = getattr(norm, "weight", None)
+        if not isinstance(norm, nn.RMSNorm) or w is None or norm.eps is None or tuple(norm.normalized_shape) != (D,):
+            return None
+        if w.dtype != img.dtype or w.device != img.device or not w.is_contiguous():
+            return None
+        if torch.is_grad_enabled() and w.requires_grad:
+            return None
+        align = 4 * t.element_size()  # aten's vectorised path needs 4-element-aligned rows (else another kernel)
+        if t.data_ptr() % align or w.data_ptr() % align:
+            return None
+        eps.append(float(norm.eps))
+    return sig + (tuple(eps),) + tensor_signature(*(n.weight for n in norms))
+
+
+def rms_rope_cat(
+    txt: torch.Tensor | None, img: torch.Tensor, norm_txt: nn.Module | None, norm_img: nn.Module,
+    cos: torch.Tensor, sin: torch.Tensor,
+) -> torch.Tensor:
+    """`rope_cat(norm_txt(txt), norm_img(img), cos, sin)` (txt may be None) bit for bit, in one pass on CUDA."""
+
+    def fast() -> torch.Tensor:
+        from . import _lossless_triton
+
+        return _lossless_triton.rms_rope_cat(
+            txt, img, None if txt is None else norm_txt.weight, norm_img.weight,
+            0.0 if txt is None else norm_txt.eps, norm_img.eps, cos, sin,
+        )
+
+    def eager() -> torch.Tensor:
+        return rope_cat(None if txt is None else norm_txt(txt), norm_img(img), cos, sin)
+
+    return RMS_GATE.run(_rms_signature(txt, img, norm_txt, norm_img, cos, sin), fast, eager)

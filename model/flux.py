@@ -34,9 +34,9 @@ from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 from diffusers.utils import apply_lora_scale, logging
 
 from kernels import gelu_site, mark_fused_gelu_site, residual_gate_add
-from kernels.modulate import modulate
+from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site, modulate
 from kernels.rope import apply_rope_eager as apply_rope
-from kernels.rope import rope_cat
+from kernels.rope import rms_rope_cat
 
 logger = logging.get_logger(__name__)
 
@@ -127,11 +127,12 @@ class FluxAdaLayerNormZero(nn.Module):
         self.silu = nn.SiLU()
         self.linear = nn.Linear(embedding_dim, self.chunks * embedding_dim, bias=bias)
         self.norm = nn.LayerNorm(embedding_dim, elementwise_affine=False, eps=1e-6)
+        mark_norm_site(self)
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, *rest = emb.chunk(self.chunks, dim=1)
-        return (modulate(self.norm(x), scale_msa, shift_msa), *rest)
+        return (layer_norm_modulate(x, scale_msa, shift_msa, self.norm.eps, fast=fast_norm(self)), *rest)
 
 
 class FluxAdaLayerNormZeroSingle(FluxAdaLayerNormZero):
@@ -190,29 +191,41 @@ class FluxAttention(nn.Module):
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        query = self.norm_q(self._heads(self.to_q(hidden_states)))
-        key = self.norm_k(self._heads(self.to_k(hidden_states)))
+        """out (single-stream use, no encoder states): a [B, S, heads * head_dim] view to write the result into."""
+        # q, k before their RMSNorm; the norm is applied below (fused with RoPE where there is RoPE).
+        query = self._heads(self.to_q(hidden_states))
+        key = self._heads(self.to_k(hidden_states))
         value = self._heads(self.to_v(hidden_states))
 
         encoder_query = encoder_key = None
         if encoder_hidden_states is not None and self.added_kv_proj_dim is not None:
-            encoder_query = self.norm_added_q(self._heads(self.add_q_proj(encoder_hidden_states)))
-            encoder_key = self.norm_added_k(self._heads(self.add_k_proj(encoder_hidden_states)))
+            encoder_query = self._heads(self.add_q_proj(encoder_hidden_states))
+            encoder_key = self._heads(self.add_k_proj(encoder_hidden_states))
             encoder_value = self._heads(self.add_v_proj(encoder_hidden_states))
             # Text tokens first, as in diffusers (the RoPE table is laid out txt_ids then img_ids).
             value = torch.cat([encoder_value, value], dim=1)
+        norm_added_q = self.norm_added_q if encoder_query is not None else None
+        norm_added_k = self.norm_added_k if encoder_query is not None else None
 
         if image_rotary_emb is not None:
-            # == apply_rope(cat([text, image])): on CUDA one fused pass writes the joint q / k (bit-exact gate).
+            # == apply_rope(cat([norm(text), norm(image)])): on CUDA one fused pass per q / k from the projection
+            # output to the joint rotated tensor (bit-exact gates).
             cos, sin = image_rotary_emb
-            query = rope_cat(encoder_query, query, cos, sin)
-            key = rope_cat(encoder_key, key, cos, sin)
-        elif encoder_query is not None:
-            query = torch.cat([encoder_query, query], dim=1)
-            key = torch.cat([encoder_key, key], dim=1)
+            query = rms_rope_cat(encoder_query, query, norm_added_q, self.norm_q, cos, sin)
+            key = rms_rope_cat(encoder_key, key, norm_added_k, self.norm_k, cos, sin)
+        else:
+            query, key = self.norm_q(query), self.norm_k(key)
+            if encoder_query is not None:
+                query = torch.cat([norm_added_q(encoder_query), query], dim=1)
+                key = torch.cat([norm_added_k(encoder_key), key], dim=1)
 
         hidden_states = _sdpa(query, key, value, attention_mask)
+        if encoder_hidden_states is None and out is not None:
+            # The copy `flatten` would make anyway, into the caller's buffer (same values, no extra pass).
+            out.unflatten(-1, hidden_states.shape[2:]).copy_(hidden_states)
+            return out
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
         if encoder_hidden_states is None:
@@ -240,6 +253,7 @@ class FluxTransformerBlock(nn.Module):
         self.ff = FluxFeedForward(dim=dim, dim_out=dim)
         self.norm2_context = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.ff_context = FluxFeedForward(dim=dim, dim_out=dim)
+        mark_norm_site(self)  # norm2 / norm2_context + their modulation
 
     def forward(
         self,
@@ -261,12 +275,15 @@ class FluxTransformerBlock(nn.Module):
 
         # Image stream. diffusers: `h = h + gate.unsqueeze(1) * update` at each site.
         hidden_states = residual_gate_add(hidden_states, attn_output, gate_msa.unsqueeze(1))
-        norm_hidden_states = modulate(self.norm2(hidden_states), scale_mlp, shift_mlp)
+        fast = fast_norm(self)
+        norm_hidden_states = layer_norm_modulate(hidden_states, scale_mlp, shift_mlp, self.norm2.eps, fast=fast)
         hidden_states = residual_gate_add(hidden_states, self.ff(norm_hidden_states), gate_mlp.unsqueeze(1))
 
         # Text stream.
         encoder_hidden_states = residual_gate_add(encoder_hidden_states, context_attn_output, c_gate_msa.unsqueeze(1))
-        norm_encoder_hidden_states = modulate(self.norm2_context(encoder_hidden_states), c_scale_mlp, c_shift_mlp)
+        norm_encoder_hidden_states = layer_norm_modulate(
+            encoder_hidden_states, c_scale_mlp, c_shift_mlp, self.norm2_context.eps, fast=fast
+        )
         # diffusers clips only the text stream here (fp16 overflow guard); folded into the residual kernel.
         encoder_hidden_states = residual_gate_add(
             encoder_hidden_states, self.ff_context(norm_encoder_hidden_states), c_gate_mlp.unsqueeze(1),
@@ -300,9 +317,22 @@ class FluxSingleTransformerBlock(nn.Module):
     ) -> torch.Tensor:
         """The block on the joint [text; image] sequence (what diffusers computes between its cat and split)."""
         norm_hidden_states, gate = self.norm(joint, emb=temb)
-        mlp_hidden_states = gelu_site(self, "proj_mlp", norm_hidden_states)
-        attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
-        update = self.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
+        if type(self.proj_mlp) is nn.Linear and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # diffusers: proj_out(cat([attn, gelu(proj_mlp(x))], dim=2)). Both halves are written straight into
+            # their columns of the proj_out input (the values cat would copy there), saving a full-width copy.
+            # (tp/ shards proj_mlp into another layer type: that path keeps the cat; so do autograd (out= ops
+            # are not differentiable) and torch.compile.)
+            B, S, _ = norm_hidden_states.shape
+            attn_width = self.attn.heads * self.attn.head_dim
+            joint_in = norm_hidden_states.new_empty(B, S, attn_width + self.proj_mlp.out_features)
+            gelu_site(self, "proj_mlp", norm_hidden_states, out=joint_in[..., attn_width:])
+            self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                      out=joint_in[..., :attn_width])
+            update = self.proj_out(joint_in)
+        else:
+            mlp_hidden_states = gelu_site(self, "proj_mlp", norm_hidden_states)
+            attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
+            update = self.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
         return residual_gate_add(joint, update, gate.unsqueeze(1), clip=_fp16_clip(joint))
 
     def forward(

@@ -308,7 +308,8 @@ def test_attention_reads_heads_at_run_time() -> None:
 @pytest.mark.gpu
 def test_gpu_flux_dev_width_equal_to_diffusers() -> None:
     """FLUX.1-dev width (3072, 24 x 128 heads) at 2 + 2 blocks, 1024^2 (4096 image + 512 text tokens), bf16:
-    ours with the Triton residual-gate, RoPE(+cat) and modulation kernels active == diffusers, bit for bit."""
+    ours with the Triton residual-gate, QK RMSNorm+RoPE(+cat) and LayerNorm+modulation kernels active == diffusers,
+    bit for bit."""
     from kernels import modulate as kmod
     from kernels import residual as kres
     from kernels import rope as krope
@@ -337,12 +338,12 @@ def test_gpu_flux_dev_width_equal_to_diffusers() -> None:
             return_dict=False,
         )
         before = kres.triton_calls()
-        fused_before = (krope.GATE.fast_calls, kmod.GATE.fast_calls)
+        fused_before = (krope.RMS_GATE.fast_calls, kmod.LN_GATE.fast_calls)
         expected, got = _run(ref, inputs), _run(ours, inputs)
         got_again = _run(ours, inputs)  # every signature verified now: all fused kernels serve this one
         assert kres.triton_calls() - before == 2 * (4 * 2 + 2)  # every residual-gate site ran the Triton kernel
-        assert krope.GATE.fast_calls > fused_before[0] and kmod.GATE.fast_calls > fused_before[1]
-        assert all(krope.GATE.verdicts().values()) and all(kmod.GATE.verdicts().values())
+        assert krope.RMS_GATE.fast_calls > fused_before[0] and kmod.LN_GATE.fast_calls > fused_before[1]
+        assert all(krope.RMS_GATE.verdicts().values()) and all(kmod.LN_GATE.verdicts().values())
         assert torch.isfinite(expected).all()
         assert torch.equal(got, expected)
         assert torch.equal(got_again, expected)

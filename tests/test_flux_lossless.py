@@ -195,3 +195,238 @@ def test_gpu_modulate_kernel_equals_eager(shape: tuple[int, int, int], dtype: to
     modulate(x, scale, shift)
     assert torch.equal(modulate(x, scale, shift), modulate_eager(x, scale, shift))
     assert GATE.fast_calls == 1 and all(GATE.verdicts().values())
+
+
+# ------------------------------------------------------------------------------ LayerNorm + modulate (lossless)
+
+
+def welford_row_stats_cuda_order(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """aten's CUDA vectorised LayerNorm statistics (128 threads x 4-element vectors, Welford, shuffle-down tree,
+    then the 4-warp tree), written with fp32 torch ops and no FMA; x2d [M, N] fp32 -> (mean [M], var [M])."""
+    M, N = x2d.shape
+    nvec = N // 4
+    t = torch.arange(128)
+    mean, m2, cnt = (torch.zeros(M, 128) for _ in range(3))
+    for it in range(-(-nvec // 128)):
+        vec = it * 128 + t
+        valid = vec < nvec
+        for ii in range(4):
+            v = x2d[:, (vec * 4 + ii).clamp(max=N - 1)]
+            delta = v - mean
+            new_cnt = cnt + 1
+            new_mean = mean + delta * (1 / new_cnt)
+            new_m2 = m2 + delta * (v - new_mean)
+            mean, m2, cnt = (torch.where(valid, a, b) for a, b in ((new_mean, mean), (new_m2, m2), (new_cnt, cnt)))
+
+    def combine(mB, sB, cB, mA, sA, cA):
+        delta, count = mB - mA, cA + cB
+        coef = 1 / count
+        nA, nB = cA * coef, cB * coef
+        mean = nA * mA + nB * mB
+        s = (sA + sB) + delta * delta * cA * nB
+        ok = count > 0
+        return torch.where(ok, mean, 0.0), torch.where(ok, s, 0.0), count
+
+    state = [a.reshape(M, 4, 32) for a in (mean, m2, cnt)]
+    for o in (16, 8, 4, 2, 1):
+        state = combine(*(a[..., :o] for a in state), *(a[..., o:2 * o] for a in state))
+    state = [a.reshape(M, 4) for a in state]
+    state = combine(*(a[:, :2] for a in state), *(a[:, 2:] for a in state))
+    mean, m2, _ = combine(*(a[:, :1] for a in state), *(a[:, 1:] for a in state))
+    return mean[:, 0], m2[:, 0] / N
+
+
+def test_welford_emulation_is_a_layer_norm() -> None:
+    """The CPU emulation of aten's CUDA order computes LayerNorm statistics (to fp32 rounding)."""
+    x = torch.randn(6, 3072) * 3 + 5
+    for N in (3072, 64, 520):
+        mean, var = welford_row_stats_cuda_order(x[:, :N])
+        assert torch.allclose(mean, x[:, :N].double().mean(1).float(), rtol=1e-5, atol=1e-5)
+        assert torch.allclose(var, x[:, :N].double().var(1, unbiased=False).float(), rtol=1e-4)
+
+
+_LN_INTERPRET_PROBE = r"""
+import torch
+import tests.test_flux_lossless as T
+from kernels import _lossless_triton as K
+torch.manual_seed(0)
+n = 0
+for (B, S, D) in ((1, 3, 3072), (2, 2, 64), (1, 2, 520)):  # 6 full iterations; most threads idle; a ragged last one
+    x = (torch.randn(B, S, D) * 4 + 3).half()
+    emb = torch.randn(B, 6 * D).half()
+    shift, scale = emb.chunk(6, dim=1)[:2]
+    got_mean, got_rstd = torch.empty(B * S), torch.empty(B * S)
+    out = K.ln_modulate_exact(x, scale, shift, 1e-6, variant=(False, False, 0, False), stats=(got_mean, got_rstd))
+    mean, var = T.welford_row_stats_cuda_order(x.float().reshape(-1, D))
+    assert torch.equal(got_mean, mean), (B, S, D)  # same reduction order: same bits
+    rstd = 1.0 / torch.sqrt(var + 1e-6)
+    assert torch.allclose(got_rstd, rstd, rtol=3e-7, atol=0), (B, S, D)  # the rsqrt itself may differ by an ulp
+    normed = (got_rstd[:, None] * (x.float().reshape(-1, D) - mean[:, None])).half().reshape(B, S, D)
+    ref = normed * (1 + scale[:, None]) + shift[:, None]
+    assert torch.equal(out, ref), (B, S, D)
+    fast = K.ln_modulate_fast(x, scale, shift, 1e-6)
+    assert (fast.float() - ref.float()).abs().max() < 0.05 * ref.float().abs().max(), (B, S, D)
+    n += 1
+print("OK", n)
+"""
+
+
+def test_layer_norm_modulate_kernels_in_the_interpreter() -> None:
+    """The real Triton kernels in Triton's CPU interpreter: the exact one's thread/lane bookkeeping against the
+    CPU emulation of aten's CUDA order, the fast one against the eager chain (fp16)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _LN_INTERPRET_PROBE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "OK 3" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", FLUX_SHAPES, ids=lambda s: f"B{s[0]}")
+def test_gpu_layer_norm_modulate_exact_equals_eager(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """Same mean/rstd bits as torch.native_layer_norm, same output as the eager chain; then through the gate."""
+    from kernels import _lossless_triton
+    from kernels.modulate import LN_GATE, layer_norm_modulate, layer_norm_modulate_eager
+
+    B, T, I = shape
+    D, dev, eps = 3072, "cuda", 1e-6
+    emb6 = torch.randn(B, 6 * D, device=dev).to(dtype)
+    emb3 = torch.randn(B, 3 * D, device=dev).to(dtype)
+    for S in (T, I, T + I):
+        x = (torch.randn(B, S, D, device=dev) * 4 + torch.randn(B, S, 1, device=dev) * 8).to(dtype)
+        for emb in (emb6, emb3):
+            shift, scale = emb.chunk(emb.shape[1] // D, dim=1)[:2]
+            mean, rstd = torch.empty(B * S, device=dev), torch.empty(B * S, device=dev)
+            out = _lossless_triton.ln_modulate_exact(x, scale, shift, eps, stats=(mean, rstd))
+            _, ref_mean, ref_rstd = torch.native_layer_norm(x, (D,), None, None, eps)
+            assert torch.equal(mean, ref_mean.reshape(-1)) and torch.equal(rstd, ref_rstd.reshape(-1)), (
+                "LN statistics differ from aten: run bench/norm_ops.py to find the matching LN_FMA_VARIANT")
+            assert torch.equal(out, layer_norm_modulate_eager(x, scale, shift, eps))
+    LN_GATE.reset()
+    layer_norm_modulate(x, scale, shift, eps)
+    assert torch.equal(layer_norm_modulate(x, scale, shift, eps), layer_norm_modulate_eager(x, scale, shift, eps))
+    assert LN_GATE.fast_calls == 1 and all(LN_GATE.verdicts().values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_layer_norm_modulate_fast_is_close(dtype: torch.dtype) -> None:
+    """The high tier's fast kernel: not bit-exact, but within a couple of half-precision ulps of eager."""
+    from kernels.modulate import layer_norm_modulate, layer_norm_modulate_eager
+
+    B, S, D, eps = 2, 4608, 3072, 1e-6
+    x = (torch.randn(B, S, D, device="cuda") * 4 + torch.randn(B, S, 1, device="cuda") * 8).to(dtype)
+    shift, scale = torch.randn(B, 6 * D, device="cuda").to(dtype).chunk(6, dim=1)[:2]
+    ref = layer_norm_modulate_eager(x, scale, shift, eps).float()
+    got = layer_norm_modulate(x, scale, shift, eps, fast=True).float()
+    # Eager rounds three times (normed, normed * (1 + scale), + shift); the fast kernel once. Each eager rounding
+    # moves its value by at most half an ulp, so the difference is bounded by the magnitudes of the intermediates.
+    normed = torch.nn.functional.layer_norm(x, (D,), eps=eps).float()
+    prod = normed * (1 + scale.float()[:, None])
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)  # relative spacing of the half type
+    bound = ulp * (ref.abs() + prod.abs() + normed.abs() * (1 + scale.float()[:, None]).abs()) + 1e-5
+    assert ((got - ref).abs() <= bound).all(), ((got - ref).abs() / bound).max()
+    assert not torch.equal(got, ref)  # it really ran the non-exact kernel (eager would be equal)
+
+
+# ------------------------------------------------------------------------------------ QK RMSNorm + RoPE (lossless)
+
+
+def rms_sum_squares_cuda_order(x2d: torch.Tensor) -> torch.Tensor:
+    """torch's CUDA rms_norm sum of squares per row (lanes own 4 consecutive elements, shuffle-down tree), fp32 ops
+    and no FMA; x2d [M, D] fp32 with D // 4 a power of two <= 32."""
+    M, D = x2d.shape
+    v = x2d.reshape(M, D // 4, 4)
+    acc = v[..., 0] * v[..., 0]
+    for i in (1, 2, 3):
+        acc = acc + v[..., i] * v[..., i]
+    lanes = D // 4
+    while lanes > 1:
+        lanes //= 2
+        acc = acc[:, :lanes] + acc[:, lanes:2 * lanes]
+    return acc[:, 0]
+
+
+def test_rms_emulation_is_an_rms_norm() -> None:
+    x = torch.randn(10, 128) * 3
+    ms = rms_sum_squares_cuda_order(x) / 128
+    assert torch.allclose(ms, x.double().pow(2).mean(1).float(), rtol=1e-5)
+
+
+_RMS_INTERPRET_PROBE = r"""
+import torch
+import tests.test_flux_lossless as T
+from kernels import _lossless_triton as K
+from kernels.rope import apply_rope_eager
+torch.manual_seed(0)
+n = 0
+for (B, Tn, In, H, D) in ((1, 3, 5, 4, 128), (2, 2, 3, 6, 64), (1, 0, 4, 3, 32)):
+    txt = None if Tn == 0 else (torch.randn(B, Tn, H * D) * 3).half().unflatten(-1, (H, D))
+    img = (torch.randn(B, In, H * D) * 3).half().unflatten(-1, (H, D))
+    w_t, w_i = (torch.rand(D) + 0.5).half(), (torch.rand(D) + 0.5).half()
+    ids = torch.randint(0, 64, (Tn + In, 3)).float()
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+    cos, sin = FluxPosEmbed(10000, [D // 8, 3 * D // 8, D // 2])(ids)
+    out = K.rms_rope_cat(txt, img, w_t if txt is not None else None, w_i, 1e-6, 1e-6, cos, sin, fma_squares=False)
+    parts = []
+    for t, w in ((txt, w_t), (img, w_i)):
+        if t is None:
+            continue
+        x = t.float().reshape(-1, D)
+        rstd = 1.0 / torch.sqrt(T.rms_sum_squares_cuda_order(x) / D + 1e-6)
+        parts.append((w.float() * (rstd[:, None] * x)).half().reshape(t.shape))
+    ref = apply_rope_eager(torch.cat(parts, dim=1), cos, sin)
+    flips = (out != ref).float().mean().item()
+    assert flips < 5e-3 and (out.float() - ref.float()).abs().max() < 0.02 * ref.float().abs().max(), (B, H, D, flips)
+    n += 1
+print("OK", n)
+"""
+
+
+def test_rms_rope_cat_kernel_in_the_interpreter() -> None:
+    """The real Triton kernel in the CPU interpreter (fp16): heads, pairs, text/image rows and weights are indexed
+    right (rsqrt may differ by an ulp there, so a few flipped elements are allowed; the GPU test is exact)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _RMS_INTERPRET_PROBE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "OK 3" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", FLUX_SHAPES, ids=lambda s: f"B{s[0]}")
+def test_gpu_rms_rope_cat_equals_eager(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    from kernels import _lossless_triton
+    from kernels.rope import RMS_GATE, rms_rope_cat
+
+    B, T, I = shape
+    H, D, dev = 24, 128, "cuda"
+    norm_t, norm_i = (torch.nn.RMSNorm(D, eps=1e-6).to(dev, dtype) for _ in range(2))
+    with torch.no_grad():
+        norm_t.weight.copy_(torch.rand(D) + 0.5)
+        norm_i.weight.copy_(torch.rand(D) + 0.5)
+    txt = (torch.randn(B, T, H * D, device=dev) * 3).to(dtype).unflatten(-1, (H, D))
+    img = (torch.randn(B, I, H * D, device=dev) * 3).to(dtype).unflatten(-1, (H, D))
+    cos, sin = (t.to(dev) for t in _tables(T + I, D))
+    with torch.no_grad():
+        for t, nt, c, s in ((txt, norm_t, cos, sin), (None, None, cos[T:].contiguous(), sin[T:].contiguous())):
+            ref = rope_cat_eager(None if t is None else nt(t), norm_i(img), c, s)
+            got = _lossless_triton.rms_rope_cat(t, img, None if t is None else nt.weight, norm_i.weight, 1e-6, 1e-6,
+                                                c, s)
+            assert torch.equal(got, ref), ("run bench/norm_ops.py: RMS_FMA_SQUARES may not match this torch build",
+                                           (got != ref).float().mean().item())
+        RMS_GATE.reset()
+        rms_rope_cat(txt, img, norm_t, norm_i, cos, sin)
+        assert torch.equal(rms_rope_cat(txt, img, norm_t, norm_i, cos, sin),
+                           rope_cat_eager(norm_t(txt), norm_i(img), cos, sin))
+    assert RMS_GATE.fast_calls == 1 and all(RMS_GATE.verdicts().values())
