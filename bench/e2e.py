@@ -12,6 +12,7 @@ PSNR/SSIM of high vs lossless.
   python bench/e2e.py                                   # full: 1024x1024, 50 and 28 steps, 3 repeats
   python bench/e2e.py --steps 4 --size 512 --repeats 1  # smoke
   python bench/e2e.py --high-compile                    # adds high_compiled: high with torch.compile'd blocks
+  python bench/e2e.py --high-fast-norm                  # adds high_fast_norm: high + fast LayerNorm+modulate
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+# Variants beside baseline/lossless/high, each reported against lossless (PSNR/SSIM) and high (latent diff).
+OPTIONAL_HIGH_VARIANTS = ("high_compiled", "high_fast_norm")
+
+
 def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.Namespace) -> dict[str, Any]:
     def req(quality: str) -> GenerationRequest:
         return GenerationRequest(prompt=args.prompt, height=size, width=size, steps=steps, guidance=args.guidance,
@@ -78,6 +83,17 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
         # The compile warm-up for this size ran before (main); no timed call compiles.
         variants["high_compiled"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
             ours.generate([req("high")], compiled=True)[0])
+    if args.high_fast_norm:
+        def high_fast_norm() -> tuple[torch.Tensor, bytes, int]:
+            ours.high_fast_norm = True  # the high pool's `fast_norm: true`
+            try:
+                r = ours.generate([req("high")], compiled=False)[0]
+            finally:
+                ours.high_fast_norm = False
+            assert r.fast_norm_sites > 0 or ours.device.type != "cuda", "fast_norm did not switch any site"
+            return r.latents, r.png, r.mounted_sites
+
+        variants["high_fast_norm"] = high_fast_norm
     times: dict[str, list[float]] = {k: [] for k in variants}
     last: dict[str, tuple[torch.Tensor, bytes, int]] = {}
     for i in range(args.warmup + args.repeats):
@@ -92,18 +108,20 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
     (b_lat, b_png, _), (l_lat, l_png, _), (h_lat, h_png, h_sites) = last["baseline"], last["lossless"], last["high"]
     p = psnr(h_png, l_png)
     extra: dict[str, Any] = {}
-    if "high_compiled" in last:
-        c_lat, c_png, c_sites = last["high_compiled"]
+    for name in OPTIONAL_HIGH_VARIANTS:
+        if name not in last:
+            continue
+        c_lat, c_png, c_sites = last[name]
         pc = psnr(c_png, l_png)
-        extra = {
-            "high_compiled_s": med["high_compiled"],
-            "high_compiled_speedup_pct": 100.0 * (med["baseline"] / med["high_compiled"] - 1.0),
-            "psnr_high_compiled_db": None if math.isinf(pc) else pc,
-            "high_compiled_identical_to_lossless": math.isinf(pc),
-            "ssim_high_compiled": ssim(c_png, l_png),
-            "high_compiled_mounted_sites": c_sites,
-            "high_compiled_max_abs_latent_diff_vs_high": float((c_lat.float() - h_lat.float()).abs().max()),
-        }
+        extra.update({
+            f"{name}_s": med[name],
+            f"{name}_speedup_pct": 100.0 * (med["baseline"] / med[name] - 1.0),
+            f"psnr_{name}_db": None if math.isinf(pc) else pc,
+            f"{name}_identical_to_lossless": math.isinf(pc),
+            f"ssim_{name}": ssim(c_png, l_png),
+            f"{name}_mounted_sites": c_sites,
+            f"{name}_max_abs_latent_diff_vs_high": float((c_lat.float() - h_lat.float()).abs().max()),
+        })
     return {
         "steps": steps,
         "size": size,
@@ -120,7 +138,7 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
         "high_mounted_sites": h_sites,
         **extra,
         "png_md5": {"baseline": md5(b_png), "lossless": md5(l_png), "high": md5(h_png),
-                    **({"high_compiled": md5(last["high_compiled"][1])} if "high_compiled" in last else {})},
+                    **{k: md5(last[k][1]) for k in OPTIONAL_HIGH_VARIANTS if k in last}},
         "times_s": times,
     }
 
@@ -144,24 +162,33 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             f"{r['high_s']:.3f} | {r['lossless_speedup_pct']:+.2f}% | {r['high_speedup_pct']:+.2f}% | "
             f"{r['lossless_latents_equal']} | {r['lossless_png_md5_equal']} | {psnr_text} | {r['ssim_high']:.5f} | "
             f"{r['high_mounted_sites']} |")
-    if any("high_compiled_s" in r for r in result["runs"]):
+    notes = {
+        "high_compiled": lambda: (
+            "high with regionally compiled blocks (torch.compile, dynamic=False), compiled and warmed up before "
+            f"timing in {result['compile_warmup_s']:.1f} s; graphs compiled during the timed and warm-up runs after "
+            f"that: {result['compiled_graphs_during_timing']}."),
+        "high_fast_norm": lambda: (
+            "high plus the fast single-pass LayerNorm+modulate kernel on every norm site (serve config "
+            "`pools.high.fast_norm: true`; not bit-exact)."),
+    }
+    for name in OPTIONAL_HIGH_VARIANTS:
+        if not any(f"{name}_s" in r for r in result["runs"]):
+            continue
         lines += [
             "",
-            f"`high_compiled`: high with regionally compiled blocks (torch.compile, dynamic=False), compiled and "
-            f"warmed up before timing in {result['compile_warmup_s']:.1f} s; graphs compiled during the timed and "
-            f"warm-up runs after that: {result['compiled_graphs_during_timing']}.",
+            f"`{name}`: {notes[name]()}",
             "",
-            "| steps | size | high compiled (s) | high compiled speed-up | PSNR vs lossless (dB) | SSIM vs lossless | "
+            f"| steps | size | {name} (s) | speed-up vs diffusers | PSNR vs lossless (dB) | SSIM vs lossless | "
             "max abs latent diff vs high | GELU sites mounted |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in result["runs"]:
-            psnr_text = ("inf (identical)" if r["high_compiled_identical_to_lossless"]
-                         else f"{r['psnr_high_compiled_db']:.2f}")
+            psnr_text = ("inf (identical)" if r[f"{name}_identical_to_lossless"]
+                         else f"{r[f'psnr_{name}_db']:.2f}")
             lines.append(
-                f"| {r['steps']} | {r['size']}x{r['size']} | {r['high_compiled_s']:.3f} | "
-                f"{r['high_compiled_speedup_pct']:+.2f}% | {psnr_text} | {r['ssim_high_compiled']:.5f} | "
-                f"{r['high_compiled_max_abs_latent_diff_vs_high']:.3g} | {r['high_compiled_mounted_sites']} |")
+                f"| {r['steps']} | {r['size']}x{r['size']} | {r[f'{name}_s']:.3f} | "
+                f"{r[f'{name}_speedup_pct']:+.2f}% | {psnr_text} | {r[f'ssim_{name}']:.5f} | "
+                f"{r[f'{name}_max_abs_latent_diff_vs_high']:.3g} | {r[f'{name}_mounted_sites']} |")
     lines += ["", "Command:", "", "```", result["command"], "```", "",
               f"Build of the model: {result['build_s']:.1f} s (ours) + {result['reference_build_s']:.1f} s "
               f"(diffusers reference). Raw numbers: `{Path(result['json']).name}`.", ""]
@@ -181,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--high-compile", action="store_true",
                     help="also time high with torch.compile'd transformer blocks (variant high_compiled)")
+    ap.add_argument("--high-fast-norm", action="store_true",
+                    help="also time high with the fast LayerNorm+modulate kernel (variant high_fast_norm)")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only to dry-run the script")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e-h200.json"))
     ap.add_argument("--md", default=None, help="markdown summary (default: --out with .md)")

@@ -54,6 +54,9 @@ class PoolArgs:
     # differently, and lossless must stay byte-identical to eager diffusers.
     compile: bool = False
     compile_sizes: list[str] | None = None
+    # High pool only: LayerNorm + AdaLN modulation through the single-pass fast kernel (CUDA fp16/bf16; not
+    # bit-exact: bench/results/e2e-h200.md gives its speed and PSNR/SSIM). The lossless pool refuses it.
+    fast_norm: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class AppArgs:
             if not isinstance(pool.tp, int) or pool.tp < 1:
                 raise ValueError(f"args.pools.{q}.tp must be an integer >= 1, got {pool.tp!r}")
             _check_compile(pool, q)
+            _check_high_only_switch(pool, q, "fast_norm")
             pools[q] = pool
         args = AppArgs(limits=Limits(**limits_raw), pools=pools, **raw)
         for q, pool in pools.items():
@@ -151,6 +155,15 @@ def _check_compile(pool: PoolArgs, name: str) -> None:
         raise ValueError(f"args.pools.{name}.compile is not supported with tp > 1 (got tp={pool.tp})")
     if pool.compile_sizes is not None and not isinstance(pool.compile_sizes, list):
         raise ValueError(f"args.pools.{name}.compile_sizes must be a list of 'WxH', got {pool.compile_sizes!r}")
+
+
+def _check_high_only_switch(pool: PoolArgs, name: str, key: str) -> None:
+    value = getattr(pool, key)
+    if not isinstance(value, bool):
+        raise ValueError(f"args.pools.{name}.{key} must be true or false, got {value!r}")
+    if value and name != "high":
+        raise ValueError(f"args.pools.{name}.{key} is for the high pool only: it is not bit-exact, and the {name} "
+                         "pool must stay byte-identical to eager diffusers")
 
 
 def _reject_unknown(raw: dict[str, Any], cls: type, where: str) -> None:

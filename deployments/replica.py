@@ -89,6 +89,7 @@ class FluxReplica:
             self._pipe = load_pipeline(
                 self.args.model, device=self.args.device, dtype=_torch_dtype(self.args.dtype)
             )
+            self._pipe.high_fast_norm = self.pool_args.fast_norm
             if self.pool_args.compile:
                 self._warm_up_compile()
         else:

@@ -87,6 +87,7 @@ class TPGroup:
                 port=port,
                 timeout_s=self.pool.collective_timeout_s,
                 cpu_threads=threads,
+                fast_norm=self.pool.fast_norm,
             )
             self.workers.append(w)
             self._names.append(name)

@@ -42,6 +42,7 @@ class GenerationResult:
     quality: str
     mounted_sites: int  # GELU sites that were mounted while this request ran (0: ran unfused)
     timings: dict[str, float] = field(default_factory=dict)
+    fast_norm_sites: int = 0  # LayerNorm+modulate sites on the fast (not bit-exact) kernel while this ran
 
 
 class GenerationCancelled(RuntimeError):
@@ -161,6 +162,8 @@ class FluxServePipeline:
         # (double, single) compiled block runners for "high" batches; None until enable_compile().
         self._compiled_runners: tuple[Any, Any] | None = None
         self.compile_warmup_s: float | None = None
+        # "high" batches only: run LayerNorm+modulate through the fast single-pass kernel (not bit-exact).
+        self.high_fast_norm = False
         # generate() mounts/unmounts sites on the shared transformer: never let two batches interleave.
         self._lock = threading.Lock()
 
@@ -224,9 +227,12 @@ class FluxServePipeline:
                  should_stop: Callable[[], bool] | None = None,
                  compiled: bool | None = None) -> list[GenerationResult]:
         """Generate one uniform batch. "high" mounts the GELU sites for this batch only; if the kernels refuse
-        (e.g. on the CPU) it runs unfused and every result says mounted_sites=0. A high batch runs the compiled
-        blocks when `compiled` (default: after `enable_compile`); lossless never does."""
+        (e.g. on the CPU) it runs unfused and every result says mounted_sites=0. With `high_fast_norm` a high batch
+        also switches the LayerNorm+modulate sites to the fast kernel (CUDA half only; elsewhere they stay exact).
+        A high batch runs the compiled blocks when `compiled` (default: after `enable_compile`); lossless never
+        does."""
         import kernels
+        from kernels.modulate import fast_norm_sites, set_fast_norm
 
         validate_batch(requests)
         quality = requests[0].quality
@@ -239,11 +245,15 @@ class FluxServePipeline:
             t0 = time.perf_counter()
             if kernels.mounted_sites(self.transformer):
                 kernels.unmount(self.transformer)  # lossless must never run on a mounted site
-            n_mounted = 0
+            set_fast_norm(self.transformer, False)
+            n_mounted = n_fast_norm = 0
             try:
                 if quality == "high":
                     self.last_mount_report = kernels.mount(self.transformer)
                     n_mounted = len(kernels.mounted_sites(self.transformer))
+                    if self.high_fast_norm and self._fast_norm_applies():
+                        set_fast_norm(self.transformer, True)
+                        n_fast_norm = fast_norm_sites(self.transformer)
                 if use_compiled:
                     self.transformer.block_runners = self._compiled_runners
                 t1 = time.perf_counter()
@@ -252,12 +262,19 @@ class FluxServePipeline:
                 self.transformer.block_runners = None  # compiled blocks never outlive their high batch
                 if quality == "high":
                     kernels.unmount(self.transformer)
+                    set_fast_norm(self.transformer, False)
             _sync(self.device)
             t2 = time.perf_counter()
         timings = {"mount_s": t1 - t0, "pipeline_s": t2 - t1, "total_s": t2 - t0, "batch_size": float(len(requests))}
         return [GenerationResult(png=png, latents=lat, seed=r.seed, quality=quality, mounted_sites=n_mounted,
-                                 timings=dict(timings))
+                                 timings=dict(timings), fast_norm_sites=n_fast_norm)
                 for r, lat, png in zip(requests, latents, pngs)]
+
+    def _fast_norm_applies(self) -> bool:
+        # The fast LayerNorm+modulate kernel exists for CUDA fp16/bf16 only; elsewhere the sites stay exact.
+        import torch
+
+        return self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
 
     def diffusers_reference(self) -> Any:
         """A stock diffusers FluxPipeline with diffusers' own FluxTransformer2DModel and the same weights.

@@ -460,3 +460,38 @@ def test_cli_rejects_bad_size(capsys) -> None:
 
     assert main(["generate", "--size", "100x100", "--out", "/nonexistent/x.png"]) == 2
     assert "multiple of 16" in capsys.readouterr().err
+
+
+def test_fast_norm_switches_for_high_batches_only(tiny_pipe, monkeypatch) -> None:
+    """`high_fast_norm`: every norm site is switched during a high batch and back after; a lossless batch never sees
+    a switched site. On CPU the switch is refused (fast kernel is CUDA half only), so nothing changes by default."""
+    from kernels.modulate import fast_norm_sites, set_fast_norm
+
+    model = tiny_pipe.transformer
+    n_sites = 3 * model.config.num_layers + model.config.num_single_layers  # norm1, norm1_context, norm2 pair; norm
+    assert set_fast_norm(model, False) == n_sites
+    req, high_req = GenerationRequest("a fox", steps=2, seed=3), GenerationRequest("a fox", steps=2, seed=3,
+                                                                                     quality="high")
+    tiny_pipe.high_fast_norm = True
+    seen: list[int] = []
+    hook = model.register_forward_pre_hook(lambda m, a: seen.append(fast_norm_sites(m)))
+    try:
+        assert tiny_pipe.generate([high_req])[0].fast_norm_sites == 0 and seen == [0, 0]  # CPU: refused
+        monkeypatch.setattr(type(tiny_pipe), "_fast_norm_applies", lambda self: True)
+        seen.clear()
+        high = tiny_pipe.generate([high_req])[0]
+        assert high.fast_norm_sites == n_sites and seen == [n_sites, n_sites]
+        assert fast_norm_sites(model) == 0
+        seen.clear()
+        lossless = tiny_pipe.generate([req])[0]
+        assert lossless.fast_norm_sites == 0 and seen == [0, 0]
+        # off CUDA a switched site still computes the exact path: same bytes as lossless
+        assert torch.equal(high.latents, lossless.latents)
+        set_fast_norm(model, True)  # left on by a crash: the next batch switches it off first
+        seen.clear()
+        tiny_pipe.generate([req])
+        assert seen == [0, 0]
+    finally:
+        hook.remove()
+        tiny_pipe.high_fast_norm = False
+        set_fast_norm(model, False)

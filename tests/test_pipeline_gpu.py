@@ -101,3 +101,24 @@ def test_gpu_request_independent_of_batch_mates_and_alone(gpu_pipe) -> None:
         assert not torch.equal(two[0], one[0]), "same latents, same VAE outputs, yet different PNGs"
         pytest.xfail("latents are batch-invariant on this GPU, but the VAE decode depends on the batch size "
                      f"(max |diff| {(two[0] - one[0]).abs().max().item():.3g} in decoder output)")
+
+
+def test_gpu_high_fast_norm_switches_sites_and_stays_close(gpu_pipe) -> None:
+    from kernels.modulate import fast_norm_sites
+
+    model = gpu_pipe.transformer
+    n_sites = 3 * model.config.num_layers + model.config.num_single_layers
+    lossless = gpu_pipe.generate([GenerationRequest("a bowl of ramen", seed=5, steps=4)])[0]
+    high = gpu_pipe.generate([GenerationRequest("a bowl of ramen", seed=5, steps=4, quality="high")])[0]
+    gpu_pipe.high_fast_norm = True
+    try:
+        fast = gpu_pipe.generate([GenerationRequest("a bowl of ramen", seed=5, steps=4, quality="high")])[0]
+    finally:
+        gpu_pipe.high_fast_norm = False
+    assert fast.fast_norm_sites == n_sites and high.fast_norm_sites == 0 and fast_norm_sites(model) == 0
+    assert not torch.equal(fast.latents, high.latents)  # the fast kernel really ran
+    assert ssim(fast.png, lossless.png) > 0.9
+    again = gpu_pipe.generate([GenerationRequest("a bowl of ramen", seed=5, steps=4)])[0]
+    assert torch.equal(again.latents, lossless.latents) and again.png == lossless.png
+    print(f"tiny bf16 high+fast_norm vs lossless: PSNR {psnr(fast.png, lossless.png):.2f} dB, "
+          f"SSIM {ssim(fast.png, lossless.png):.5f}")

@@ -47,6 +47,7 @@ class TPWorker:
         backend: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         cpu_threads: int | None = None,
+        fast_norm: bool = False,
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self.model_path_or_preset = model_path_or_preset
@@ -56,6 +57,7 @@ class TPWorker:
         self.backend = backend or default_backend()
         self.timeout_s = timeout_s
         self.cpu_threads = cpu_threads
+        self.fast_norm = fast_norm  # "high" batches: fast LayerNorm+modulate (a local, rank-independent choice)
         self.group = None
         self.ctrl_group = None
         self.pipe = None
@@ -87,6 +89,7 @@ class TPWorker:
         t2 = time.perf_counter()
         check_replicas_identical(pipe.transformer, self.ctrl_group)
         shard_flux_transformer(pipe.transformer, self.rank, self.world_size, self.group)
+        pipe.high_fast_norm = self.fast_norm
         self.pipe = pipe
         return {
             "rank": self.rank,
