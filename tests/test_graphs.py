@@ -1,15 +1,16 @@
-"""CUDA-graph replay of the transformer step (model/graphs.py).
+"""CUDA-graph replay of the transformer step (model/graphs.py) and its pipeline wiring.
 
 CPU: every call falls back to eager and equals the plain forward; the fallback reasons; the cache policy (keys, LRU,
-capture failure) with the CUDA mechanics replaced by a stand-in; static buffer layouts. (The GELU dispatch guard
-inside a capture: tests/test_kernels.py.)
+capture failure) with the CUDA mechanics replaced by a stand-in; static buffer layouts; the pipeline switch. (The
+GELU dispatch guard inside a capture: tests/test_kernels.py.)
 GPU (`-m gpu`): replays torch.equal eager (B=1, 2, new input values, return_dict, mounted high, FLUX.1-dev width), LRU
-eviction with real graphs, a real CUDA error inside a capture.
+eviction with real graphs, pipeline latents/PNGs with graphs == without, a real CUDA error inside a capture.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,8 @@ import kernels.gelu as G
 import model.graphs as graphs_mod
 from model.flux import FluxTransformer, run_double_block, run_single_block
 from model.graphs import StepGraphs
+from model.loading import load_pipeline
+from model.pipeline import GenerationRequest
 
 SMALL = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32,
              num_attention_heads=4, joint_attention_dim=48, pooled_projection_dim=24, guidance_embeds=True,
@@ -246,6 +249,56 @@ def test_max_graphs_must_be_positive() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# CPU: pipeline switch
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _StepSpy:
+    """Records `transformer.step_graphs` (and its mode) at each transformer call."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seen: list[Any] = []
+        self._h = model.register_forward_pre_hook(
+            lambda mod, _a: self.seen.append(None if mod.step_graphs is None else mod.step_graphs.mode))
+
+    def close(self) -> None:
+        self._h.remove()
+
+
+def _req(seed: int, quality: str = "lossless", steps: int = 2) -> GenerationRequest:
+    return GenerationRequest("a red fox", height=64, width=64, steps=steps, seed=seed, quality=quality)
+
+
+def test_pipeline_uses_graphs_per_batch_with_its_mode_never_compiled(tiny_path: Path) -> None:
+    pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match="enable_cuda_graphs"):
+        pipe.generate([_req(1)], cuda_graphs=True)
+    plain = pipe.generate([_req(1)])[0]
+    sg = pipe.enable_cuda_graphs(max_graphs=3)
+    assert pipe.cuda_graphs_enabled and pipe.step_graphs is sg and sg.max_graphs == 3
+    spy = _StepSpy(pipe.transformer)
+    try:
+        graphed = pipe.generate([_req(1)])[0]
+        assert spy.seen == [("lossless", 0)] * 2
+        assert pipe.transformer.step_graphs is None  # only during its batch
+        spy.seen.clear()
+        pipe.generate([_req(2, "high")])
+        assert spy.seen == [("high", 0)] * 2  # the CPU mounts nothing
+        spy.seen.clear()
+        pipe.generate([_req(1)], cuda_graphs=False)
+        assert spy.seen == [None] * 2
+        # Eager functions stand in for the compiled runners: under test is the switch, not torch.compile.
+        pipe._compiled_runners = (run_double_block, run_single_block)
+        spy.seen.clear()
+        pipe.generate([_req(3, "high")])
+        assert spy.seen == [None] * 2
+    finally:
+        spy.close()
+    assert torch.equal(graphed.latents, plain.latents) and graphed.png == plain.png
+    assert sg.stats()["fallback_reasons"] == {"cpu": 4}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -350,6 +403,31 @@ def test_gpu_flux_dev_width_replay_equals_eager() -> None:
     inputs["timestep"] = torch.full((1,), 0.3, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(_graphed(m, inputs), _eager(m, inputs))
     assert (sg.captures, sg.replays, sg.eager_fallbacks) == (1, 2, 0), sg.stats()
+
+
+@pytest.fixture(scope="module")
+def gpu_pipe(tiny_path: Path):
+    return load_pipeline(str(tiny_path), device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_pipeline_graphs_give_the_same_latents_and_pngs(gpu_pipe) -> None:
+    sg = gpu_pipe.enable_cuda_graphs()
+    try:
+        for quality in ("lossless", "high", "lossless"):
+            for batch in ([_req(3, quality, 4)], [_req(3, quality, 4), _req(4, quality, 4)]):
+                replays = sg.replays
+                eager = gpu_pipe.generate(batch, cuda_graphs=False)
+                graphed = gpu_pipe.generate(batch, cuda_graphs=True)
+                assert sg.replays - replays == 4, sg.stats()  # every step replayed
+                for e, g in zip(eager, graphed):
+                    assert e.mounted_sites == g.mounted_sites and (quality == "lossless") == (g.mounted_sites == 0)
+                    assert torch.equal(e.latents, g.latents), (quality, len(batch))
+                    assert e.png == g.png
+        # (lossless, high) x (B=1, B=2); the second lossless round replays the first round's graphs
+        assert sg.captures == 4 and sg.eager_fallbacks == 0, sg.stats()
+    finally:
+        gpu_pipe.disable_cuda_graphs()
 
 
 # Last: a real CUDA error inside a capture (not just a Python exception) must leave the process usable.
