@@ -1,8 +1,8 @@
-"""CUDA-graph replay of the transformer step (model/graphs.py) and its pipeline wiring.
+"""CUDA-graph replay of the transformer step (model/graphs.py) and its wiring (pipeline, serve config, replica).
 
 CPU: every call falls back to eager and equals the plain forward; the fallback reasons; the cache policy (keys, LRU,
-capture failure) with the CUDA mechanics replaced by a stand-in; static buffer layouts; the pipeline switch. (The
-GELU dispatch guard inside a capture: tests/test_kernels.py.)
+capture failure) with the CUDA mechanics replaced by a stand-in; static buffer layouts; the pipeline switch; config
+errors and replica wiring. (The GELU dispatch guard inside a capture: tests/test_kernels.py.)
 GPU (`-m gpu`): replays torch.equal eager (B=1, 2, new input values, return_dict, mounted high, FLUX.1-dev width), LRU
 eviction with real graphs, pipeline latents/PNGs with graphs == without, a real CUDA error inside a capture.
 """
@@ -10,6 +10,9 @@ eviction with real graphs, pipeline latents/PNGs with graphs == without, a real 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ import torch
 import kernels
 import kernels.gelu as G
 import model.graphs as graphs_mod
+from deployments.config import AppArgs
 from model.flux import FluxTransformer, run_double_block, run_single_block
 from model.graphs import StepGraphs
 from model.loading import load_pipeline
@@ -296,6 +300,63 @@ def test_pipeline_uses_graphs_per_batch_with_its_mode_never_compiled(tiny_path: 
         spy.close()
     assert torch.equal(graphed.latents, plain.latents) and graphed.png == plain.png
     assert sg.stats()["fallback_reasons"] == {"cpu": 4}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Serve config and replica wiring (no Ray needed)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_cuda_graphs_config_both_pools_on_cuda() -> None:
+    args = AppArgs.parse({"device": "cuda", "pools": {"lossless": {"cuda_graphs": True},
+                                                      "high": {"cuda_graphs": True}}})
+    assert args.pools["lossless"].cuda_graphs and args.pools["high"].cuda_graphs
+    assert not AppArgs.parse(None).pools["lossless"].cuda_graphs  # off by default
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"device": "cuda", "pools": {"high": {"cuda_graphs": True, "tp": 2}}},
+     r"args\.pools\.high\.cuda_graphs is not supported with tp > 1"),
+    ({"device": "cuda", "pools": {"lossless": {"cuda_graphs": True, "tp": 4}}},
+     r"args\.pools\.lossless\.cuda_graphs is not supported with tp > 1"),
+    ({"device": "cpu", "pools": {"lossless": {"cuda_graphs": True}}},
+     r"args\.pools\.lossless\.cuda_graphs needs device: cuda .*'cpu'"),
+    ({"pools": {"high": {"cuda_graphs": True}}}, r"args\.pools\.high\.cuda_graphs needs device: cuda"),
+    ({"device": "cuda", "pools": {"high": {"cuda_graphs": "yes"}}}, "cuda_graphs must be true or false"),
+    ({"device": "cuda", "pools": {"high": {"cuda_graphs": True, "compile": True}}},
+     "cuda_graphs and compile exclude each other"),
+])
+def test_bad_cuda_graphs_options_are_config_errors(raw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AppArgs.parse(raw)
+
+
+# In a subprocess: importing Ray in this process would fix its auth mode before tests/test_serve.py sets it.
+_REPLICA_SCRIPT = """
+import model.loading
+from deployments.replica import FluxReplica
+
+class Pipe:
+    def __init__(self):
+        self.graphs = []
+    def enable_cuda_graphs(self, max_graphs=8):
+        self.graphs.append(max_graphs)
+
+pipes = []
+model.loading.load_pipeline = lambda *a, **k: pipes.append(Pipe()) or pipes[-1]
+cls = FluxReplica.func_or_class
+for pool, on in (("lossless", True), ("high", False)):
+    raw = {"device": "cuda", "pools": {pool: {"cuda_graphs": on, "cpu_threads": 1}}}
+    cls(pool, raw)
+assert [p.graphs for p in pipes] == [[8], []], [p.graphs for p in pipes]
+print("graphs wiring ok")
+"""
+
+
+def test_replica_enables_cuda_graphs_when_its_pool_asks() -> None:
+    done = subprocess.run([sys.executable, "-c", _REPLICA_SCRIPT], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    assert done.returncode == 0 and "graphs wiring ok" in done.stdout, done.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------------------------
