@@ -7,12 +7,13 @@ mount/unmount of the GELU sites), timed with a device synchronize on both sides.
 repeat so clock/thermal drift hits them equally; the reported time is the median over repeats after warm-up runs.
 
 Correctness is checked on the timed runs themselves: lossless latents torch.equal to diffusers' and PNG md5 equal;
-PSNR/SSIM of high vs lossless.
+PSNR/SSIM of high vs lossless; with --cuda-graphs, lossless+graphs equal to diffusers and high+graphs equal to high.
 
   python bench/e2e.py                                   # full: 1024x1024, 50 and 28 steps, 3 repeats
   python bench/e2e.py --steps 4 --size 512 --repeats 1  # smoke
   python bench/e2e.py --high-compile                    # adds high_compiled: high with torch.compile'd blocks
   python bench/e2e.py --high-fast-norm                  # adds high_fast_norm: high + fast LayerNorm+modulate
+  python bench/e2e.py --cuda-graphs                     # adds lossless+graphs, high+graphs: CUDA-graph steps
 """
 
 from __future__ import annotations
@@ -75,9 +76,10 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
 
     variants: dict[str, Callable[[], tuple[torch.Tensor, bytes, int]]] = {
         "baseline": lambda: (lambda lat, png: (lat[0], png[0], 0))(*run_flux_pipeline(reference, [req("lossless")])),
-        "lossless": lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(ours.generate([req("lossless")])[0]),
+        "lossless": lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+            ours.generate([req("lossless")], cuda_graphs=False)[0]),
         "high": lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
-            ours.generate([req("high")], compiled=False)[0]),
+            ours.generate([req("high")], compiled=False, cuda_graphs=False)[0]),
     }
     if args.high_compile:
         # The compile warm-up for this size ran before (main); no timed call compiles.
@@ -94,6 +96,12 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
             return r.latents, r.png, r.mounted_sites
 
         variants["high_fast_norm"] = high_fast_norm
+    if args.cuda_graphs:
+        # The first call of each captures its graph (two eager steps + capture): the warm-up repeat pays that.
+        variants["lossless+graphs"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+            ours.generate([req("lossless")], cuda_graphs=True)[0])
+        variants["high+graphs"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+            ours.generate([req("high")], compiled=False, cuda_graphs=True)[0])
     times: dict[str, list[float]] = {k: [] for k in variants}
     last: dict[str, tuple[torch.Tensor, bytes, int]] = {}
     for i in range(args.warmup + args.repeats):
@@ -122,6 +130,26 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
             f"{name}_mounted_sites": c_sites,
             f"{name}_max_abs_latent_diff_vs_high": float((c_lat.float() - h_lat.float()).abs().max()),
         })
+    if "lossless+graphs" in last:
+        g_lat, g_png, _ = last["lossless+graphs"]
+        hg_lat, hg_png, hg_sites = last["high+graphs"]
+        pg = psnr(hg_png, l_png)
+        extra.update({
+            "lossless_graphs_s": med["lossless+graphs"],
+            "lossless_graphs_speedup_pct": 100.0 * (med["baseline"] / med["lossless+graphs"] - 1.0),
+            "lossless_graphs_vs_lossless_pct": 100.0 * (med["lossless"] / med["lossless+graphs"] - 1.0),
+            "lossless_graphs_latents_equal": bool(torch.equal(b_lat, g_lat)),  # against diffusers
+            "lossless_graphs_png_md5_equal": md5(b_png) == md5(g_png),
+            "high_graphs_s": med["high+graphs"],
+            "high_graphs_speedup_pct": 100.0 * (med["baseline"] / med["high+graphs"] - 1.0),
+            "high_graphs_vs_high_pct": 100.0 * (med["high"] / med["high+graphs"] - 1.0),
+            # same kernels as eager high: expected bit-identical to it
+            "high_graphs_latents_equal_to_high": bool(torch.equal(h_lat, hg_lat)),
+            "high_graphs_png_md5_equal_to_high": md5(h_png) == md5(hg_png),
+            "psnr_high_graphs_db": None if math.isinf(pg) else pg,
+            "ssim_high_graphs": ssim(hg_png, l_png),
+            "high_graphs_mounted_sites": hg_sites,
+        })
     return {
         "steps": steps,
         "size": size,
@@ -138,7 +166,8 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
         "high_mounted_sites": h_sites,
         **extra,
         "png_md5": {"baseline": md5(b_png), "lossless": md5(l_png), "high": md5(h_png),
-                    **{k: md5(last[k][1]) for k in OPTIONAL_HIGH_VARIANTS if k in last}},
+                    **{k: md5(last[k][1]) for k in OPTIONAL_HIGH_VARIANTS if k in last},
+                    **{k: md5(last[k][1]) for k in ("lossless+graphs", "high+graphs") if k in last}},
         "times_s": times,
     }
 
@@ -189,6 +218,27 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
                 f"| {r['steps']} | {r['size']}x{r['size']} | {r[f'{name}_s']:.3f} | "
                 f"{r[f'{name}_speedup_pct']:+.2f}% | {psnr_text} | {r[f'ssim_{name}']:.5f} | "
                 f"{r[f'{name}_max_abs_latent_diff_vs_high']:.3g} | {r[f'{name}_mounted_sites']} |")
+    if any("lossless_graphs_s" in r for r in result["runs"]):
+        stats = result["cuda_graphs"]
+        lines += [
+            "",
+            f"`+graphs`: every transformer step replayed from a CUDA graph, captured on first use (in the warm-up "
+            f"run unless --warmup 0); graph cache after the run: {stats['captures']} captures, {stats['replays']} "
+            f"replays, {stats['eager_fallbacks']} eager fallbacks {stats['fallback_reasons'] or ''}.",
+            "",
+            "| steps | size | lossless+graphs (s) | vs diffusers | vs lossless | latents equal to diffusers | "
+            "PNG md5 equal to diffusers | high+graphs (s) | vs diffusers | vs high | latents equal to high | "
+            "PNG md5 equal to high |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in result["runs"]:
+            lines.append(
+                f"| {r['steps']} | {r['size']}x{r['size']} | {r['lossless_graphs_s']:.3f} | "
+                f"{r['lossless_graphs_speedup_pct']:+.2f}% | {r['lossless_graphs_vs_lossless_pct']:+.2f}% | "
+                f"{r['lossless_graphs_latents_equal']} | {r['lossless_graphs_png_md5_equal']} | "
+                f"{r['high_graphs_s']:.3f} | {r['high_graphs_speedup_pct']:+.2f}% | "
+                f"{r['high_graphs_vs_high_pct']:+.2f}% | "
+                f"{r['high_graphs_latents_equal_to_high']} | {r['high_graphs_png_md5_equal_to_high']} |")
     lines += ["", "Command:", "", "```", result["command"], "```", "",
               f"Build of the model: {result['build_s']:.1f} s (ours) + {result['reference_build_s']:.1f} s "
               f"(diffusers reference). Raw numbers: `{Path(result['json']).name}`.", ""]
@@ -210,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time high with torch.compile'd transformer blocks (variant high_compiled)")
     ap.add_argument("--high-fast-norm", action="store_true",
                     help="also time high with the fast LayerNorm+modulate kernel (variant high_fast_norm)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="also time lossless and high with CUDA-graph replay of each step (lossless+graphs, "
+                         "high+graphs)")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only to dry-run the script")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e-h200.json"))
     ap.add_argument("--md", default=None, help="markdown summary (default: --out with .md)")
@@ -235,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.high_compile:
         compile_warmup_s = ours.enable_compile([(args.size, args.size)], steps=2)
         print(f"compiled high blocks for {args.size}x{args.size} in {compile_warmup_s:.1f}s", flush=True)
+    if args.cuda_graphs:
+        ours.enable_cuda_graphs()
     from torch._dynamo.utils import counters
 
     graphs_before = counters["stats"]["unique_graphs"]
@@ -252,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         max_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         gelu_impl=os.environ.get("FLUXSERVE_GELU_IMPL", "auto"),
     )
+    if ours.step_graphs is not None:
+        result["cuda_graphs"] = ours.step_graphs.stats()
     if compile_warmup_s is not None:
         # Dynamo graphs compiled after the warm-up: 0 means no timed call paid a (re)compile.
         result.update(compile_warmup_s=compile_warmup_s, compiled_graphs_during_timing=graphs_during_timing)
@@ -261,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     md = Path(args.md) if args.md else out.with_suffix(".md")
     write_markdown(md, result)
     print(md.read_text())
-    ok = all(r["lossless_latents_equal"] and r["lossless_png_md5_equal"] for r in runs)
+    # Graph replay must not change a bit: lossless+graphs == diffusers, high+graphs == eager high.
+    ok = all(r["lossless_latents_equal"] and r["lossless_png_md5_equal"]
+             and r.get("lossless_graphs_latents_equal", True) and r.get("lossless_graphs_png_md5_equal", True)
+             and r.get("high_graphs_latents_equal_to_high", True) for r in runs)
     return 0 if ok else 1
 
 

@@ -57,6 +57,10 @@ class PoolArgs:
     # High pool only: LayerNorm + AdaLN modulation through the single-pass fast kernel (CUDA fp16/bf16; not
     # bit-exact: bench/results/e2e-h200.md gives its speed and PSNR/SSIM). The lossless pool refuses it.
     fast_norm: bool = False
+    # Either pool (tp == 1, device cuda): replay each transformer step from a CUDA graph, captured on the first
+    # request of each batch size / resolution (removes the host launch gaps; bit-identical, so lossless stays
+    # byte-identical to diffusers). Not with compile: a compiled high batch never replays graphs.
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,13 @@ class AppArgs:
                 raise ValueError(f"args.pools.{q}.tp must be an integer >= 1, got {pool.tp!r}")
             _check_compile(pool, q)
             _check_high_only_switch(pool, q, "fast_norm")
+            _check_cuda_graphs(pool, q)
             pools[q] = pool
         args = AppArgs(limits=Limits(**limits_raw), pools=pools, **raw)
+        for q, pool in pools.items():
+            if pool.cuda_graphs and not str(args.device).startswith("cuda"):
+                raise ValueError(f"args.pools.{q}.cuda_graphs needs device: cuda (got device: {args.device!r}); "
+                                 "CUDA graphs cannot run on the CPU")
         for q, pool in pools.items():
             for size in args.compile_sizes(q):
                 parse_size(size, f"args.pools.{q}.compile_sizes")
@@ -164,6 +173,17 @@ def _check_high_only_switch(pool: PoolArgs, name: str, key: str) -> None:
     if value and name != "high":
         raise ValueError(f"args.pools.{name}.{key} is for the high pool only: it is not bit-exact, and the {name} "
                          "pool must stay byte-identical to eager diffusers")
+def _check_cuda_graphs(pool: PoolArgs, name: str) -> None:
+    if not isinstance(pool.cuda_graphs, bool):
+        raise ValueError(f"args.pools.{name}.cuda_graphs must be true or false, got {pool.cuda_graphs!r}")
+    if not pool.cuda_graphs:
+        return
+    if pool.tp != 1:
+        raise ValueError(f"args.pools.{name}.cuda_graphs is not supported with tp > 1 (got tp={pool.tp}): the "
+                         "ranks' collectives are not captured")
+    if pool.compile:
+        raise ValueError(f"args.pools.{name}: cuda_graphs and compile exclude each other (a compiled batch never "
+                         "replays graphs); choose one")
 
 
 def _reject_unknown(raw: dict[str, Any], cls: type, where: str) -> None:

@@ -92,6 +92,10 @@ class FluxReplica:
             self._pipe.high_fast_norm = self.pool_args.fast_norm
             if self.pool_args.compile:
                 self._warm_up_compile()
+            if self.pool_args.cuda_graphs:
+                # Captured lazily: the first request of each batch size / resolution pays two eager steps and the
+                # capture, every later step replays.
+                self._pipe.enable_cuda_graphs()
         else:
             from deployments.tp_group import TPGroup
 
@@ -199,6 +203,9 @@ class FluxReplica:
             "cancelled_batches": self._cancelled_batches,
             "images": self._images,
             "replica_id": serve.get_replica_context().replica_id.unique_id,
+            # captures / replays / eager fallbacks of the CUDA-graph cache (None: graphs off)
+            "cuda_graphs": None if self._pipe is None or self._pipe.step_graphs is None
+            else self._pipe.step_graphs.stats(),
         }
 
     async def actor_names(self) -> dict[str, Any]:

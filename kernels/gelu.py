@@ -156,7 +156,11 @@ def _choose_impl(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
             raise ValueError(f"FLUXSERVE_GELU_IMPL={forced!r}: expected 'auto' or one of {sorted(GELU_IMPLS)}")
         name = forced
     elif torch.cuda.is_current_stream_capturing():
-        return "cublaslt"  # cannot time inside a graph capture; not cached, so a later eager call decides
+        # CUDA events and syncs are illegal inside a graph capture: never time here (model.graphs warms up
+        # eagerly first, so its captures find a decision). The unfused pair is exact and always valid; not
+        # cached, so a later eager call still decides by timing.
+        logger.warning("fused GELU dispatch %s: no decision yet inside a CUDA graph capture; unfused", key)
+        return "unfused"
     else:
         name, timings = _decide_by_timing(x2d, weight, bias)
         _gelu_timings[key] = timings

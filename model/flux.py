@@ -13,7 +13,7 @@ timestep/guidance/text embedders and the final `AdaLayerNormContinuous`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ from kernels import gelu_site, mark_fused_gelu_site, residual_gate_add
 from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site, modulate
 from kernels.rope import apply_rope_eager as apply_rope
 from kernels.rope import rms_rope_cat
+
+if TYPE_CHECKING:
+    from model.graphs import StepGraphs
 
 logger = logging.get_logger(__name__)
 
@@ -417,9 +420,41 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         # (double, single) block runners; None: `run_double_block` / `run_single_block` eagerly. The pipeline sets
         # compiled versions for a compiled "high" batch only and clears them after, so other batches stay eager.
         self.block_runners: tuple[Any, Any] | None = None
+        # CUDA-graph replay of this forward (model.graphs.StepGraphs), set by the pipeline for one batch at a time;
+        # None: eager. It calls `_forward_eager` to warm up, capture and fall back.
+        self.step_graphs: StepGraphs | None = None
 
     @apply_lora_scale("joint_attention_kwargs")
     def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor = None,
+        pooled_projections: torch.Tensor = None,
+        timestep: torch.LongTensor = None,
+        img_ids: torch.Tensor = None,
+        txt_ids: torch.Tensor = None,
+        guidance: torch.Tensor = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+        controlnet_block_samples=None,
+        controlnet_single_block_samples=None,
+        return_dict: bool = True,
+        controlnet_blocks_repeat: bool = False,
+    ) -> torch.Tensor | Transformer2DModelOutput:
+        """Same arguments and result as diffusers' `FluxTransformer2DModel.forward` (see `_forward_eager`); with
+        `step_graphs` set, replayed from a CUDA graph where the inputs allow it (bit-identical)."""
+        kwargs = dict(
+            hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+            pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids, txt_ids=txt_ids,
+            guidance=guidance, joint_attention_kwargs=joint_attention_kwargs,
+            controlnet_block_samples=controlnet_block_samples,
+            controlnet_single_block_samples=controlnet_single_block_samples, return_dict=return_dict,
+            controlnet_blocks_repeat=controlnet_blocks_repeat,
+        )
+        if self.step_graphs is not None:
+            return self.step_graphs(self, self._forward_eager, kwargs)
+        return self._forward_eager(**kwargs)
+
+    def _forward_eager(
         self,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request types without needing torch
     import torch
+
+    from model.graphs import StepGraphs
+
+logger = logging.getLogger(__name__)
 
 QUALITIES = ("lossless", "high")
 _MAX_T5_TOKENS = 512  # FluxPipeline refuses more
@@ -164,6 +169,8 @@ class FluxServePipeline:
         self.compile_warmup_s: float | None = None
         # "high" batches only: run LayerNorm+modulate through the fast single-pass kernel (not bit-exact).
         self.high_fast_norm = False
+        # CUDA graphs of the transformer step; None until enable_cuda_graphs().
+        self._step_graphs: StepGraphs | None = None
         # generate() mounts/unmounts sites on the shared transformer: never let two batches interleave.
         self._lock = threading.Lock()
 
@@ -186,6 +193,41 @@ class FluxServePipeline:
     @property
     def compile_enabled(self) -> bool:
         return self._compiled_runners is not None
+
+    @property
+    def cuda_graphs_enabled(self) -> bool:
+        return self._step_graphs is not None
+
+    @property
+    def step_graphs(self) -> StepGraphs | None:
+        """The CUDA-graph cache (its counters: captures, replays, eager_fallbacks), or None."""
+        return self._step_graphs
+
+    def enable_cuda_graphs(self, max_graphs: int = 8) -> StepGraphs:
+        """Replay each transformer step from a CUDA graph (removes the host launch gaps between its kernels).
+
+        Bit-identical to eager for both tiers (same kernels on the same input layouts), so lossless stays
+        byte-identical to diffusers. Graphs are captured on first use, one per (tier and mounted sites, batch size,
+        resolution, prompt length), at most `max_graphs` kept (LRU) in one shared memory pool. A compiled high batch
+        never replays graphs. Without CUDA every step runs eager (counted in `step_graphs.eager_fallbacks`).
+        """
+        from model.graphs import StepGraphs
+
+        if self._step_graphs is None:
+            self._step_graphs = StepGraphs(max_graphs=max_graphs)
+        elif max_graphs != self._step_graphs.max_graphs:
+            self._step_graphs.reset()
+            self._step_graphs = StepGraphs(max_graphs=max_graphs)
+        if self.device.type != "cuda":
+            logger.warning("CUDA graphs enabled on %s: every step will run eager", self.device)
+        return self._step_graphs
+
+    def disable_cuda_graphs(self) -> None:
+        """Back to eager steps; frees every captured graph."""
+        if self._step_graphs is not None:
+            with self._lock:
+                self._step_graphs.reset()
+                self._step_graphs = None
 
     def enable_compile(self, sizes: list[tuple[int, int]], steps: int = 2,
                        batch_sizes: tuple[int, ...] | list[int] = (1,)) -> float:
@@ -225,12 +267,13 @@ class FluxServePipeline:
 
     def generate(self, requests: list[GenerationRequest], progress: bool = False,
                  should_stop: Callable[[], bool] | None = None,
-                 compiled: bool | None = None) -> list[GenerationResult]:
+                 compiled: bool | None = None, cuda_graphs: bool | None = None) -> list[GenerationResult]:
         """Generate one uniform batch. "high" mounts the GELU sites for this batch only; if the kernels refuse
         (e.g. on the CPU) it runs unfused and every result says mounted_sites=0. With `high_fast_norm` a high batch
         also switches the LayerNorm+modulate sites to the fast kernel (CUDA half only; elsewhere they stay exact).
         A high batch runs the compiled blocks when `compiled` (default: after `enable_compile`); lossless never
-        does."""
+        does. The transformer steps replay CUDA graphs when `cuda_graphs` (default: after `enable_cuda_graphs`),
+        except in a compiled high batch."""
         import kernels
         from kernels.modulate import fast_norm_sites, set_fast_norm
 
@@ -241,6 +284,11 @@ class FluxServePipeline:
         if compiled and quality == "high" and self._compiled_runners is None:
             raise ValueError("compiled=True needs enable_compile() first")
         use_compiled = compiled and quality == "high"
+        if cuda_graphs is None:
+            cuda_graphs = self.cuda_graphs_enabled
+        if cuda_graphs and self._step_graphs is None:
+            raise ValueError("cuda_graphs=True needs enable_cuda_graphs() first")
+        use_graphs = cuda_graphs and not use_compiled
         with self._lock:
             t0 = time.perf_counter()
             if kernels.mounted_sites(self.transformer):
@@ -256,10 +304,16 @@ class FluxServePipeline:
                         n_fast_norm = fast_norm_sites(self.transformer)
                 if use_compiled:
                     self.transformer.block_runners = self._compiled_runners
+                if use_graphs:
+                    # Mounted / switched sites run other kernels than lossless: a separate graph per (tier, mounted
+                    # GELU sites, fast norm sites).
+                    self._step_graphs.mode = (quality, n_mounted, n_fast_norm)
+                    self.transformer.step_graphs = self._step_graphs
                 t1 = time.perf_counter()
                 latents, pngs = run_flux_pipeline(self.pipe, requests, progress, should_stop)
             finally:
                 self.transformer.block_runners = None  # compiled blocks never outlive their high batch
+                self.transformer.step_graphs = None  # nor do graphs: other users of the transformer run eager
                 if quality == "high":
                     kernels.unmount(self.transformer)
                     set_fast_norm(self.transformer, False)

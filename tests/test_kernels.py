@@ -295,6 +295,29 @@ def test_gelu_dispatch_override_is_cached_and_validated(monkeypatch):
         G._choose_impl(x2d, layer.weight, layer.bias)
 
 
+def test_gelu_dispatch_never_times_inside_a_cuda_graph_capture(monkeypatch, caplog):
+    """No decision yet while a stream captures (CUDA events and syncs are illegal there): the unfused pair, not
+    cached; a decision taken eagerly before is what the capture records."""
+    def no_timing(*_a):
+        raise AssertionError("timed inside a CUDA graph capture")
+
+    layer = _linear()
+    x2d = torch.randn(6, 8).to(torch.bfloat16)
+    monkeypatch.delenv("FLUXSERVE_GELU_IMPL", raising=False)
+    monkeypatch.setattr(G, "_decide_by_timing", no_timing)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with caplog.at_level(logging.WARNING, logger=G.__name__):
+        assert G._choose_impl(x2d, layer.weight, layer.bias) == "unfused"
+    assert any("inside a CUDA graph capture" in r.getMessage() for r in caplog.records)
+    assert G.gelu_dispatch_table() == {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(G, "_decide_by_timing", lambda *_a: ("cublaslt", {"unfused": 1.0, "cublaslt": 0.5}))
+    assert G._choose_impl(x2d, layer.weight, layer.bias) == "cublaslt"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(G, "_decide_by_timing", no_timing)
+    assert G._choose_impl(x2d, layer.weight, layer.bias) == "cublaslt"
+
+
 # ---------------------------------------------------------------- GELU: site protocol
 
 
