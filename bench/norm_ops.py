@@ -148,6 +148,7 @@ def rms_rope_times(dtype: torch.dtype) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/norm-h200.md")
+    ap.add_argument("--search", action="store_true", help="try every FMA variant of the LayerNorm kernel")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     import triton
@@ -155,8 +156,10 @@ def main() -> None:
     lines = ["# LayerNorm + AdaLN modulation", "", f"Command: `python3 {' '.join(sys.argv)}`", "",
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
              f"library default variant {K.LN_FMA_VARIANT}.", ""]
-    # All 24 variants in bf16; the other dtypes re-check the bf16 survivors and the default (compiles add up).
-    variants = list(itertools.product((False, True), (False, True), (0, 1, 2), (False, True)))
+    # --search: all 24 variants in bf16, then the other dtypes re-check the bf16 survivors and the default (each
+    # variant is a compile: minutes). Default: the library's variant only, in every dtype.
+    variants = (list(itertools.product((False, True), (False, True), (0, 1, 2), (False, True))) if args.search
+                else [K.LN_FMA_VARIANT])
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         lines += [f"## FMA variants vs torch.native_layer_norm ({dtype})", ""]
         rows, good = variant_search(dtype, variants)
