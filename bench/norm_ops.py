@@ -108,7 +108,7 @@ def _qk(B: int, T: int, I: int, dtype: torch.dtype, seed: int) -> tuple:
         for n in norms:
             n.weight.copy_(torch.rand(D, generator=torch.Generator().manual_seed(seed)) + 0.5)
     ids = torch.randint(0, 64, (T + I, 3), generator=torch.Generator().manual_seed(seed)).float()
-    cos, sin = (t.cuda() for t in FluxPosEmbed(10000, [16, 56, 64])(ids))
+    cos, sin = (t.cuda() for t in FluxPosEmbed(10000, [16, 56, 56])(ids))
     return txt, img, norms[0], norms[1], cos, sin
 
 

@@ -338,12 +338,12 @@ def test_gpu_flux_dev_width_equal_to_diffusers() -> None:
             return_dict=False,
         )
         before = kres.triton_calls()
-        fused_before = (krope.RMS_GATE.fast_calls, kmod.LN_GATE.fast_calls)
+        fused_before = (krope.RMS_GATE.fast_calls, kmod.GATE.fast_calls)
         expected, got = _run(ref, inputs), _run(ours, inputs)
         got_again = _run(ours, inputs)  # every signature verified now: all fused kernels serve this one
         assert kres.triton_calls() - before == 2 * (4 * 2 + 2)  # every residual-gate site ran the Triton kernel
-        assert krope.RMS_GATE.fast_calls > fused_before[0] and kmod.LN_GATE.fast_calls > fused_before[1]
-        assert all(krope.RMS_GATE.verdicts().values()) and all(kmod.LN_GATE.verdicts().values())
+        assert krope.RMS_GATE.fast_calls > fused_before[0] and kmod.GATE.fast_calls > fused_before[1]
+        assert all(krope.RMS_GATE.verdicts().values()) and all(kmod.GATE.verdicts().values())
         assert torch.isfinite(expected).all()
         assert torch.equal(got, expected)
         assert torch.equal(got_again, expected)

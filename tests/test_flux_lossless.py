@@ -308,9 +308,14 @@ def test_gpu_layer_norm_modulate_exact_equals_eager(shape: tuple[int, int, int],
                 "LN statistics differ from aten: run bench/norm_ops.py to find the matching LN_FMA_VARIANT")
             assert torch.equal(out, layer_norm_modulate_eager(x, scale, shift, eps))
     LN_GATE.reset()
-    layer_norm_modulate(x, scale, shift, eps)
-    assert torch.equal(layer_norm_modulate(x, scale, shift, eps), layer_norm_modulate_eager(x, scale, shift, eps))
-    assert LN_GATE.fast_calls == 1 and all(LN_GATE.verdicts().values())
+    LN_GATE.enabled = True  # off in the library (too slow, see kernels/modulate.py); the gate logic still holds
+    try:
+        layer_norm_modulate(x, scale, shift, eps)
+        assert torch.equal(layer_norm_modulate(x, scale, shift, eps),
+                           layer_norm_modulate_eager(x, scale, shift, eps))
+        assert LN_GATE.fast_calls == 1 and all(LN_GATE.verdicts().values())
+    finally:
+        LN_GATE.enabled = False
 
 
 @pytest.mark.gpu
