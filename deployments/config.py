@@ -55,7 +55,7 @@ class PoolArgs:
     compile: bool = False
     compile_sizes: list[str] | None = None
     # High pool only: LayerNorm + AdaLN modulation through the single-pass fast kernel (CUDA fp16/bf16; not
-    # bit-exact: bench/results/e2e-h200.md gives its speed and PSNR/SSIM). The lossless pool refuses it.
+    # bit-exact: bench/results/e2e-h200-high-variants.md gives its speed and PSNR/SSIM). The lossless pool refuses it.
     fast_norm: bool = False
     # Either pool (tp == 1, device cuda): replay each transformer step from a CUDA graph, captured on the first
     # request of each batch size / resolution (removes the host launch gaps; bit-identical, so lossless stays
