@@ -432,6 +432,7 @@ def _rms_rope_cat_kernel(
 def _lane_tree_sum(acc, HB: tl.constexpr, LANES: tl.constexpr):
     # [HB, LANES] -> [HB]: lane i adds lane i + o for o = LANES/2 .. 1 (aten's WARP_SHFL_DOWN loop; adding the
     # idle warps' zeros afterwards changes nothing). LANES is a power of two <= 32.
+    # Spelled out: a loop would rebind a constexpr offset, which Triton's compiler (not its interpreter) rejects.
     if LANES >= 32:
         a, c = _halves(acc, HB, 16)
         acc = a + c

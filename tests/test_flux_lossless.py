@@ -245,6 +245,18 @@ def test_welford_emulation_is_a_layer_norm() -> None:
         assert torch.allclose(var, x[:, :N].double().var(1, unbiased=False).float(), rtol=1e-4)
 
 
+def _run_in_interpreter(probe: str, expect: str) -> None:
+    """Run `probe` in a fresh Python with TRITON_INTERPRET=1 (Triton kernels on the CPU); it prints `expect`."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and expect in proc.stdout, proc.stdout + proc.stderr
+
+
 _LN_INTERPRET_PROBE = r"""
 import torch
 import tests.test_flux_lossless as T
@@ -274,15 +286,7 @@ print("OK", n)
 def test_layer_norm_modulate_kernels_in_the_interpreter() -> None:
     """The real Triton kernels in Triton's CPU interpreter: the exact one's thread/lane bookkeeping against the
     CPU emulation of aten's CUDA order, the fast one against the eager chain (fp16)."""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _LN_INTERPRET_PROBE], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and "OK 3" in proc.stdout, proc.stdout + proc.stderr
+    _run_in_interpreter(_LN_INTERPRET_PROBE, "OK 3")
 
 
 @pytest.mark.gpu
@@ -396,15 +400,7 @@ print("OK", n)
 def test_rms_rope_cat_kernel_in_the_interpreter() -> None:
     """The real Triton kernel in the CPU interpreter (fp16): heads, pairs, text/image rows and weights are indexed
     right (rsqrt may differ by an ulp there, so a few flipped elements are allowed; the GPU test is exact)."""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _RMS_INTERPRET_PROBE], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and "OK 3" in proc.stdout, proc.stdout + proc.stderr
+    _run_in_interpreter(_RMS_INTERPRET_PROBE, "OK 3")
 
 
 @pytest.mark.gpu
