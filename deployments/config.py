@@ -116,6 +116,15 @@ class AppArgs:
             raise ValueError("args.max_batch_size must be >= 1")
         if args.request_timeout_s <= 0:
             raise ValueError("args.request_timeout_s must be > 0")
+        # default_size is what a request without `size` gets: check it against the same limits a request's size
+        # meets, now, rather than answer every such request with a 400.
+        from deployments.schema import BadRequest
+        from deployments.schema import parse_size as parse_request_size
+
+        try:
+            parse_request_size(str(args.default_size), args)
+        except BadRequest as exc:
+            raise ValueError(f"args.default_size: {exc.message}") from None
         return args
 
     def to_dict(self) -> dict[str, Any]:

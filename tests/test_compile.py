@@ -222,3 +222,17 @@ def test_gelu_dispatch_never_times_inside_a_trace(monkeypatch, decided: str | No
     other = "cublaslt" if expected == "unfused" else "unfused"
     assert not torch.allclose(out, G.GELU_IMPLS[other](x, w, b), atol=1e-4)
     assert G._gelu_choice == ({} if decided is None else {(8, 32, 16, torch.float32, None): decided})  # not cached
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"default_size": "big"}, r"args\.default_size: size must be \"WxH\""),
+        ({"default_size": "250x256"}, r"args\.default_size: .*multiples of 16"),
+        ({"default_size": "4096x4096"}, r"args\.default_size: .*too large"),
+        ({"default_size": "512x512", "limits": {"max_side": 256}}, r"args\.default_size: .*<= 256"),
+    ],
+)
+def test_default_size_is_checked_at_config_parse(raw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AppArgs.parse(raw)
