@@ -182,6 +182,8 @@ def _check_high_only_switch(pool: PoolArgs, name: str, key: str) -> None:
     if value and name != "high":
         raise ValueError(f"args.pools.{name}.{key} is for the high pool only: it is not bit-exact, and the {name} "
                          "pool must stay byte-identical to eager diffusers")
+
+
 def _check_cuda_graphs(pool: PoolArgs, name: str) -> None:
     if not isinstance(pool.cuda_graphs, bool):
         raise ValueError(f"args.pools.{name}.cuda_graphs must be true or false, got {pool.cuda_graphs!r}")

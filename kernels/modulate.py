@@ -6,21 +6,18 @@ write of the activation.
 
 `layer_norm_modulate`: `modulate(F.layer_norm(x, (D,), eps=eps), scale, shift)`. Lossless: a kernel that replays
 aten's CUDA LayerNorm reduction order (see `_lossless_triton`), so the normalised row has the same bits, then the
-modulation's roundings. Quality "high" may mount the fast variant on a model's norm sites (`set_fast_norm`):
-plain two-pass statistics and one rounding, not bit-exact. Both exact kernels are guarded by `ExactGate`.
+modulation's roundings; it is bit-exact on the H200 but slow, so its gate is off (eager LayerNorm, then `modulate`).
+Quality "high" may switch a model's norm sites to the fast variant (`set_fast_norm`): plain two-pass statistics
+and one rounding, not bit-exact. Both exact kernels are guarded by `ExactGate`.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .exact import ExactGate, Signature, tensor_signature
-
-logger = logging.getLogger(__name__)
 
 GATE = ExactGate("modulate")
 LN_GATE = ExactGate("layer_norm_modulate")
