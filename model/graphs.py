@@ -1,15 +1,16 @@
 """CUDA-graph replay of the transformer step: one captured `FluxTransformer` forward per input signature.
 
 Why: on an H200 a lossless FLUX.1-dev step at 1024^2 takes ~141 ms of wall time for ~129 ms of kernels; the host
-cannot launch its ~1500 kernels fast enough. A replayed graph launches them all at once. It is bit-identical to the
+cannot launch its ~1500 kernels fast enough. A replayed graph launches them all at once. Measured end to end at
+1024^2, batch 1 (bench/results/e2e-h200.md) it gains only ~0.4%: there the launch gaps mostly overlap GPU work. It is bit-identical to the
 eager forward by construction: the same kernels with the same launch configurations read static input buffers that
 have the caller's exact layout (shape, strides, dtype, 16-byte alignment class), so every Python-side choice the
 forward made while it was captured (ExactGate verdicts, GELU per-shape dispatch, Triton specialisations) is the one
 eager would make for the caller's tensors.
 
 Keying: shapes/strides/dtypes/device of every tensor argument, which optional arguments are None, the plain
-arguments (`return_dict`, ...), a caller-provided `mode` (the pipeline passes the quality tier and the number of
-mounted GELU sites: a mounted transformer runs other kernels), and global switches read at run time (kernel fast
+arguments (`return_dict`, ...), a caller-provided `mode` (the pipeline passes the quality tier and the numbers of
+mounted GELU sites and fast-norm sites: a mounted transformer runs other kernels), and global switches read at run time (kernel fast
 paths, SDPA backends, matmul precision, determinism). Per key, the first call runs the eager forward twice (where the
 ExactGate verdicts and the GELU timing decisions are taken, and cuBLAS/Triton/cuDNN set themselves up), captures a
 third run into a graph, then replays it; later calls copy their inputs into the static buffers and replay.
