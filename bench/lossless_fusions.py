@@ -2,10 +2,13 @@
 
 FLUX.1-dev width (3072 = 24 x 128 heads, T5 4096, CLIP 768, guidance), `--layers`/`--single` blocks (default the
 full 19 + 38), 1024^2 (4096 image + 512 text tokens), bf16, default (diffusers) init. Variants, interleaved over
-`--rounds` rounds (the spread between rounds is the noise floor):
-  diffusers | ours, every fusion off | + residual-gate kernel | + RoPE(+cat) | + modulation | all (the lossless tier)
-Every variant's output is compared with diffusers' (torch.equal; NaNs at equal places count as equal).
-One torch.profiler step per end point attributes GPU time to kernel groups (what each fusion removed).
+`--rounds` rounds (the spread between rounds is the noise floor); each fusion is added on top of the line above it:
+  diffusers | ours, every fusion off | + residual-gate | + RoPE(+cat) | + QK RMSNorm in the RoPE pass
+  | + modulation | + LayerNorm in the modulation pass | + single block writes proj_out's input in place (aten's
+  GELU into the slice) | + our GELU kernel into that slice
+The last line is the lossless tier as configured by the library defaults. Every variant's output is compared with
+diffusers' (torch.equal; NaNs at equal places count as equal). One torch.profiler step per end point attributes
+GPU time to kernel groups (what the fusions removed).
 
 Usage: python bench/lossless_fusions.py [--layers 19 --single 38 --batch 1 --reps 8 --out FILE.md]
 """
@@ -24,27 +27,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffusers import FluxTransformer2DModel  # noqa: E402
 
+from kernels import gelu as kgelu  # noqa: E402
 from kernels import modulate as kmod  # noqa: E402
 from kernels import residual as kres  # noqa: E402
 from kernels import rope as krope  # noqa: E402
 from kernels.exact import same_values  # noqa: E402
+from model import flux  # noqa: E402
 from model.flux import FluxTransformer  # noqa: E402
 
-FUSIONS = ("residual", "rope", "modulate")
+FUSIONS = ("residual", "rope", "rms", "modulate", "layernorm", "in_place", "gelu_into")
 VARIANTS: list[tuple[str, tuple[str, ...] | None]] = [
-    ("diffusers", None),
-    ("ours, all fusions off", ()),
-    ("ours + residual", ("residual",)),
-    ("ours + residual + rope(+cat)", ("residual", "rope")),
-    ("ours + residual + modulate", ("residual", "modulate")),
-    ("ours, lossless (all three)", FUSIONS),
+    ("diffusers", ()),  # (the fusion switches do not touch the reference model)
+    ("ours, every fusion off", ()),
+    ("+ residual-gate kernel", FUSIONS[:1]),
+    ("+ RoPE(+cat) kernel", FUSIONS[:2]),
+    ("+ QK RMSNorm in the RoPE pass", FUSIONS[:3]),
+    ("+ modulation kernel", FUSIONS[:4]),
+    ("+ LayerNorm in the modulation pass", FUSIONS[:5]),
+    ("+ single block: proj_out input in place (aten GELU)", FUSIONS[:6]),
+    ("+ our GELU kernel into that slice", FUSIONS),
+    ("ours, library defaults", None),
 ]
+# what the library runs by default (the lossless tier as served)
+DEFAULTS = (kres._fast_path_disabled, krope.GATE.enabled, krope.RMS_GATE.enabled, kmod.GATE.enabled,
+            kmod.LN_GATE.enabled, flux.SINGLE_BLOCK_WRITES_IN_PLACE, kgelu.GELU_INTO_GATE.enabled)
 
 
-def set_fusions(on: tuple[str, ...]) -> None:
+def set_fusions(on: tuple[str, ...] | None) -> None:
+    """on=None: the library defaults."""
+    if on is None:
+        (kres._fast_path_disabled, krope.GATE.enabled, krope.RMS_GATE.enabled, kmod.GATE.enabled,
+         kmod.LN_GATE.enabled, flux.SINGLE_BLOCK_WRITES_IN_PLACE, kgelu.GELU_INTO_GATE.enabled) = DEFAULTS
+        return
     kres._fast_path_disabled = "residual" not in on  # the kernels package's process-wide switch
     krope.GATE.enabled = "rope" in on
+    krope.RMS_GATE.enabled = "rms" in on
     kmod.GATE.enabled = "modulate" in on
+    kmod.LN_GATE.enabled = "layernorm" in on
+    flux.SINGLE_BLOCK_WRITES_IN_PLACE = "in_place" in on
+    kgelu.GELU_INTO_GATE.enabled = "gelu_into" in on
 
 
 def make_inputs(batch: int, device: str, dtype: torch.dtype) -> dict:
@@ -74,14 +95,17 @@ def step_ms(model: torch.nn.Module, inputs: dict, reps: int) -> list[float]:
     return times
 
 
-GROUPS = [
+GROUPS = [  # first match wins: our kernels before the generic names they contain
     ("attention (SDPA)", ("fmha", "flash", "cudnn", "attention", "sdpa")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    ("our RMSNorm+RoPE(+cat) kernel", ("_rms_rope_cat_kernel",)),
     ("our RoPE(+cat) kernel", ("_rope_cat_kernel",)),
+    ("our LayerNorm+modulate kernel", ("_ln_modulate_exact_kernel",)),
     ("our modulate kernel", ("_modulate_kernel",)),
     ("our residual kernel", ("_residual_gate_add_kernel",)),
+    ("our GELU-into-slice kernel", ("_gelu_tanh_kernel",)),
     ("cat", ("cat", "concat")),
-    ("norms", ("layer_norm", "rms_norm", "norm")),
+    ("norms (aten)", ("layer_norm", "rms_norm", "norm")),
     ("gelu", ("gelu",)),
 ]
 
@@ -131,16 +155,15 @@ def main() -> None:
         finite = bool(torch.isfinite(expected).all())
         for _ in range(args.rounds):
             for name, on in VARIANTS:
-                model = ref if on is None else ours
-                if on is not None:
-                    set_fusions(on)
+                model = ref if name == "diffusers" else ours
+                set_fusions(on)
                 for _ in range(2):  # warm-up: compilation and first-sight verification happen here
                     out = model(**inputs)[0]
                 exact[name] = exact.get(name, True) and same_values(out, expected)
                 results[name].extend(step_ms(model, inputs, args.reps))
         set_fusions(())
         prof_off = profile_groups(ours, inputs)
-        set_fusions(FUSIONS)
+        set_fusions(None)
         prof_on = profile_groups(ours, inputs)
         prof_ref = profile_groups(ref, inputs)
 
@@ -164,7 +187,7 @@ def main() -> None:
             f"| {name} | {med:.2f} | {min(t):.2f} | {max(t):.2f} | {100 * (base - med) / base:+.2f}% | {exact[name]} |"
         )
     lines += ["", "GPU time per kernel group, one step (ms; torch.profiler):", "",
-              "| group | diffusers | ours, fusions off | ours, lossless |", "|---|---:|---:|---:|"]
+              "| group | diffusers | ours, fusions off | ours, library defaults (lossless) |", "|---|---:|---:|---:|"]
     for group in sorted(set(prof_off) | set(prof_on) | set(prof_ref)):
         lines.append(
             f"| {group} | {prof_ref.get(group, 0):.2f} | {prof_off.get(group, 0):.2f} | {prof_on.get(group, 0):.2f} |"
@@ -172,9 +195,11 @@ def main() -> None:
     lines.append(
         f"| total | {sum(prof_ref.values()):.2f} | {sum(prof_off.values()):.2f} | {sum(prof_on.values()):.2f} |"
     )
-    lines += ["", f"gate verdicts: rope {sorted(set(krope.GATE.verdicts().values()))}, "
-              f"modulate {sorted(set(kmod.GATE.verdicts().values()))}; "
-              f"residual fast path disabled: {kres.fast_path_disabled()}"]
+    gates = {"rope": krope.GATE, "rms+rope": krope.RMS_GATE, "modulate": kmod.GATE, "layernorm+modulate": kmod.LN_GATE,
+             "gelu into slice": kgelu.GELU_INTO_GATE}
+    lines += ["", "gate verdicts: " + ", ".join(f"{k} {sorted(set(g.verdicts().values()))}" for k, g in gates.items())
+              + f"; residual fast path disabled: {kres.fast_path_disabled()}; library defaults: "
+              + ", ".join(f"{f}={v}" for f, v in zip(("residual-off", *FUSIONS[1:]), DEFAULTS))]
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:

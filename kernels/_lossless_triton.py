@@ -7,9 +7,12 @@ fp32 like aten's opmath, and launch with `enable_fp_fusion=False` so no multiply
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -184,24 +187,28 @@ LN_VEC = 4  # aten: vec_size, fixed for every dtype
 # (online-mean FMA, online-m2 FMA, combine-mean form {0: none, 1: fma(nA, mA, nB*mB), 2: fma(nB, mB, nA*mA)},
 #  combine-m2 FMA)
 LN_FMA_VARIANT = (True, True, 1, True)
+# Largest per-lane element count whose compile-time reciprocal is checked to round like fp32 1/n (see _welford_add).
+_MAX_LANE_COUNT = 16383
 
 
 @triton.jit
-def _welford_add(mean, m2, cnt, v, valid, FMA_MEAN: tl.constexpr, FMA_M2: tl.constexpr):
-    # aten cuWelfordOnlineSum: delta = v - mean; n += 1; mean += delta * (1/n); m2 += delta * (v - mean_new)
+def _welford_add(mean, m2, cnt, v, valid, RCP: tl.constexpr, FMA_MEAN: tl.constexpr, FMA_M2: tl.constexpr):
+    # aten cuWelfordOnlineSum: delta = v - mean; n += 1; mean += delta * (1/n); m2 += delta * (v - mean_new).
+    # Every valid lane holds the same count at a given (iteration, element), so 1/n is a compile-time constant:
+    # RCP is the Python double 1/n, and its fp32 rounding equals the correctly rounded fp32 1/n for every n up to
+    # 16383 (tests/test_flux_lossless.py checks it). No per-element division: no branch into the slow path of
+    # IEEE division between the loads, so they issue back to back.
     delta = v - mean
-    new_cnt = cnt + 1.0
-    rcp = tl.math.div_rn(tl.full(new_cnt.shape, 1.0, tl.float32), new_cnt)
     if FMA_MEAN:
-        new_mean = tl.fma(delta, rcp, mean)
+        new_mean = tl.fma(delta, RCP, mean)
     else:
-        new_mean = mean + delta * rcp
+        new_mean = mean + delta * RCP
     d2 = v - new_mean
     if FMA_M2:
         new_m2 = tl.fma(delta, d2, m2)
     else:
         new_m2 = m2 + delta * d2
-    return tl.where(valid, new_mean, mean), tl.where(valid, new_m2, m2), tl.where(valid, new_cnt, cnt)
+    return tl.where(valid, new_mean, mean), tl.where(valid, new_m2, m2), tl.where(valid, cnt + 1.0, cnt)
 
 
 @triton.jit
@@ -243,26 +250,13 @@ def _shuffle_down_combine(mean, m2, cnt, O: tl.constexpr, MEAN_FORM: tl.constexp
 
 
 @triton.jit
-def _ln_modulate_exact_kernel(
-    x_ptr, scale_ptr, shift_ptr, out_ptr, mean_ptr, rstd_ptr,
-    S, N, x_sb, x_ss, scale_sb, shift_sb, eps,
-    TY: tl.constexpr, ITERS: tl.constexpr, WRITE_STATS: tl.constexpr,
-    FMA_MEAN: tl.constexpr, FMA_M2: tl.constexpr, MEAN_FORM: tl.constexpr, FMA_S: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    x_row = x_ptr + b * x_sb + row * x_ss
-    t = tl.arange(0, 128)
-    nvec = N // 4
-    mean = tl.zeros((128,), tl.float32)
-    m2 = tl.zeros((128,), tl.float32)
-    cnt = tl.zeros((128,), tl.float32)
-    for it in tl.static_range(ITERS):
-        vec = it * 128 + t
-        valid = vec < nvec
-        for ii in tl.static_range(4):
-            v = tl.load(x_row + vec * 4 + ii, mask=valid, other=0.0).to(tl.float32)
-            mean, m2, cnt = _welford_add(mean, m2, cnt, v, valid, FMA_MEAN, FMA_M2)
+def _welford_combine_default(mB, sB, cB, mA, sA, cA):
+    # the combine of LN_FMA_VARIANT (tl.reduce takes no constexpr arguments)
+    return _welford_combine(mB, sB, cB, mA, sA, cA, 1, True)
+
+
+@triton.jit
+def _explicit_tree(mean, m2, cnt, MEAN_FORM: tl.constexpr, FMA_S: tl.constexpr):
     # intra-warp shuffle-down tree: [warp, lane]
     mean = tl.reshape(mean, (4, 32))
     m2 = tl.reshape(m2, (4, 32))
@@ -284,45 +278,99 @@ def _ln_modulate_exact_kernel(
     sB, sA = tl.split(m2)
     cB, cA = tl.split(cnt)
     mean, m2, cnt = _welford_combine(mB, sB, cB, mA, sA, cA, MEAN_FORM, FMA_S)
+    return mean, m2, cnt
+
+
+@triton.jit
+def _ln_modulate_exact_kernel(
+    x_ptr, scale_ptr, shift_ptr, out_ptr, mean_ptr, rstd_ptr,
+    S, N, x_sb, x_ss, scale_sb, shift_sb, eps,
+    TY: tl.constexpr, ITERS: tl.constexpr, WRITE_STATS: tl.constexpr,
+    FMA_MEAN: tl.constexpr, FMA_M2: tl.constexpr, MEAN_FORM: tl.constexpr, FMA_S: tl.constexpr,
+    TREE_BY_REDUCE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    x_row = x_ptr + b * x_sb + row * x_ss
+    t = tl.arange(0, 128)
+    e4 = tl.arange(0, 4)
+    nvec = N // 4
+    mean = tl.zeros((128,), tl.float32)
+    m2 = tl.zeros((128,), tl.float32)
+    cnt = tl.zeros((128,), tl.float32)
+    for it in tl.static_range(ITERS):
+        vec = it * 128 + t
+        valid = vec < nvec
+        # thread t's 4-element vector, loaded as one tile; elements 0..3 are then folded in order
+        tile = tl.load(x_row + vec[:, None] * 4 + e4[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        even, odd = tl.split(tl.reshape(tile, (128, 2, 2)))
+        v0, v2 = tl.split(even)
+        v1, v3 = tl.split(odd)
+        mean, m2, cnt = _welford_add(mean, m2, cnt, v0, valid, 1.0 / (it * 4 + 1), FMA_MEAN, FMA_M2)
+        mean, m2, cnt = _welford_add(mean, m2, cnt, v1, valid, 1.0 / (it * 4 + 2), FMA_MEAN, FMA_M2)
+        mean, m2, cnt = _welford_add(mean, m2, cnt, v2, valid, 1.0 / (it * 4 + 3), FMA_MEAN, FMA_M2)
+        mean, m2, cnt = _welford_add(mean, m2, cnt, v3, valid, 1.0 / (it * 4 + 4), FMA_MEAN, FMA_M2)
+    if TREE_BY_REDUCE:
+        # Triton lowers a reduction over a [128] tensor held one element per thread into the same tree as aten:
+        # butterfly shuffles 16..1 where lane i < o combines (own, lane i + o) -- lane 0 ends with exactly the
+        # shuffle-down result -- then lane 0 of each warp goes through shared memory and the 4 warp values are
+        # reduced by shuffles 2, 1: (w0, w2), (w1, w3), then (w0 w2, w1 w3). Warp shuffles, no layout conversions.
+        mean, m2, cnt = tl.reduce((mean, m2, cnt), 0, _welford_combine_default)
+    else:
+        # The same tree spelled out on [warp, lane]-shaped tensors (the order's reference; the Triton interpreter
+        # folds tl.reduce sequentially, so it runs this one).
+        mean, m2, cnt = _explicit_tree(mean, m2, cnt, MEAN_FORM, FMA_S)
     var = tl.math.div_rn(m2, N.to(tl.float32))
     rstd = tl.math.rsqrt(var + eps)
     if WRITE_STATS:  # what aten's native_layer_norm returns beside its output (tests compare them bit for bit)
         tl.store(mean_ptr + b * S + row, mean)
         tl.store(rstd_ptr + b * S + row, rstd)
-    # normalise + modulate, same thread-to-element map as the statistics pass (the row is hot in L1/L2)
+    # normalise + modulate: elementwise, so any thread-to-element map gives the same bits; 2-D tiles vectorise the
+    # loads and stores (the row is hot in L1/L2 from the statistics pass)
     out_row = out_ptr + (b * S + row) * N
-    for it in tl.static_range(ITERS):
-        vec = it * 128 + t
-        valid = vec < nvec
-        for ii in tl.static_range(4):
-            col = vec * 4 + ii
-            v = tl.load(x_row + col, mask=valid, other=0.0).to(tl.float32)
-            sc = tl.load(scale_ptr + b * scale_sb + col, mask=valid, other=0.0).to(tl.float32)
-            sh = tl.load(shift_ptr + b * shift_sb + col, mask=valid, other=0.0).to(tl.float32)
-            normed = _round(rstd * (v - mean), TY)  # aten LayerNorm's output
-            prod = _round(normed * _round(sc + 1.0, TY), TY)  # eager `normed * (1 + scale)`
-            tl.store(out_row + col, _cast(prod + sh, TY), mask=valid)
+    for start in range(0, nvec, 128):  # a runtime loop: unrolled, its hoisted loads cost occupancy
+        col = (start + t)[:, None] * 4 + e4[None, :]
+        ok = col < N
+        v = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
+        sc = tl.load(scale_ptr + b * scale_sb + col, mask=ok, other=0.0).to(tl.float32)
+        sh = tl.load(shift_ptr + b * shift_sb + col, mask=ok, other=0.0).to(tl.float32)
+        normed = _round(rstd * (v - mean), TY)  # aten LayerNorm's output
+        prod = _round(normed * _round(sc + 1.0, TY), TY)  # eager `normed * (1 + scale)`
+        tl.store(out_row + col, _cast(prod + sh, TY), mask=ok)
 
 
 def ln_modulate_exact(
     x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float,
     variant: tuple[bool, bool, int, bool] | None = None, stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tree: str | None = None,
 ) -> torch.Tensor:
     """x [B, S, D] (D % 4 == 0, unit last stride), scale/shift [B, D] with unit last stride.
 
-    variant: the FMA choices (default LN_FMA_VARIANT); stats: fp32 [B * S] buffers that receive mean and rstd."""
+    variant: the FMA choices (default LN_FMA_VARIANT); stats: fp32 [B * S] buffers that receive mean and rstd;
+    tree: "reduce" (tl.reduce, fast; the default on a GPU) or "explicit" (the default under the Triton interpreter
+    and for combine choices other than the library's)."""
     B, S, D = x.shape
+    iters = triton.cdiv(D // LN_VEC, LN_THREADS)
+    if iters * LN_VEC > _MAX_LANE_COUNT:
+        raise ValueError(f"row length {D} is past the checked range of compile-time reciprocals")
     out = torch.empty((B, S, D), dtype=x.dtype, device=x.device)
     fma_mean, fma_m2, mean_form, fma_s = variant or LN_FMA_VARIANT
-    iters = triton.cdiv(D // LN_VEC, LN_THREADS)
+    if tree is None:
+        tree = "reduce" if (mean_form, fma_s) == LN_FMA_VARIANT[2:] and not _interpreting() else "explicit"
+    if tree == "reduce" and (mean_form, fma_s) != LN_FMA_VARIANT[2:]:
+        raise ValueError("the tl.reduce tree is built for LN_FMA_VARIANT's combine choices only")
     mean_buf, rstd_buf = stats if stats is not None else (out, out)
     _ln_modulate_exact_kernel[(S, B)](
         x, scale, shift, out, mean_buf, rstd_buf, S, D, x.stride(0), x.stride(1), scale.stride(0), shift.stride(0),
         eps, TY=_TL_DTYPE[x.dtype], ITERS=iters, WRITE_STATS=stats is not None,
-        FMA_MEAN=fma_mean, FMA_M2=fma_m2, MEAN_FORM=mean_form, FMA_S=fma_s,
+        FMA_MEAN=fma_mean, FMA_M2=fma_m2, MEAN_FORM=mean_form, FMA_S=fma_s, TREE_BY_REDUCE=tree == "reduce",
         enable_fp_fusion=False, num_warps=4,
     )
     return out
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -473,5 +521,59 @@ def rms_rope_cat(
         TY=_TL_DTYPE[img.dtype], D=D, BLOCK=block,
         FMA_SQ=RMS_FMA_SQUARES if fma_squares is None else fma_squares,
         enable_fp_fusion=False, num_warps=4,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tanh-GELU into a strided destination: F.gelu(x, approximate="tanh", out=out) for a column slice `out`
+# ----------------------------------------------------------------------------------------------------------------
+#
+# aten (ActivationGeluKernel.cu), per element in fp32: x_cube = x * x * x; inner = kBeta * (x + kKappa * x_cube);
+# 0.5 * x * (1 + tanhf(inner)), rounded once to the output dtype. Into a non-contiguous `out` aten falls back to
+# its unvectorised elementwise loop (about twice the time of the contiguous call); this kernel writes the slice at
+# full bandwidth. nvcc may contract `x + kKappa * x_cube` into an FMA; GELU_FMA_INNER is the choice measured to
+# match torch's CUDA build on every bf16 and fp16 value (tests/test_kernels_gpu.py), and the gate checks it again.
+
+GELU_FMA_INNER = True
+GELU_CONFIG = {"BLOCK": 2048, "num_warps": 8}
+# the C++ constants: kBeta = M_SQRT2 * M_2_SQRTPI * 0.5 evaluated in double, then rounded to fp32 (as Python floats
+# holding those fp32 values, so passing them as constexprs rounds nothing again)
+_GELU_BETA = float(torch.tensor(1.41421356237309504880 * 1.12837916709551257390 * 0.5, dtype=torch.float32))
+_GELU_KAPPA = float(torch.tensor(0.044715, dtype=torch.float32))
+
+
+@triton.jit
+def _gelu_tanh_kernel(
+    x_ptr, out_ptr, N, x_sr, out_sr,
+    BETA: tl.constexpr, KAPPA: tl.constexpr, TY: tl.constexpr, FMA_INNER: tl.constexpr, BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # rows on the grid's x axis: up to 2**31 - 1 of them
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * x_sr + cols, mask=ok, other=0.0).to(tl.float32)
+    x_cube = x * x * x
+    if FMA_INNER:
+        inner = tl.fma(KAPPA, x_cube, x)
+    else:
+        inner = x + KAPPA * x_cube
+    inner = BETA * inner
+    if INTERPRET:  # Triton's CPU interpreter has no libdevice: a tanh from exp (tests check the indexing there)
+        t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+    else:
+        t = libdevice.tanh(inner)  # what CUDA's tanhf is
+    y = 0.5 * x * (1.0 + t)
+    tl.store(out_ptr + row * out_sr + cols, _cast(y, TY), mask=ok)
+
+
+def gelu_tanh(x: torch.Tensor, out: torch.Tensor, fma_inner: bool | None = None) -> torch.Tensor:
+    """x [M, N] with unit last stride -> out [M, N] (any row stride, unit last stride); returns out."""
+    M, N = x.shape
+    config = GELU_CONFIG
+    _gelu_tanh_kernel[(M, triton.cdiv(N, config["BLOCK"]))](
+        x, out, N, x.stride(0), out.stride(0), BETA=_GELU_BETA, KAPPA=_GELU_KAPPA, TY=_TL_DTYPE[x.dtype],
+        FMA_INNER=GELU_FMA_INNER if fma_inner is None else fma_inner, BLOCK=config["BLOCK"], INTERPRET=_interpreting(),
+        enable_fp_fusion=False, num_warps=config["num_warps"],
     )
     return out

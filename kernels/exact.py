@@ -52,6 +52,10 @@ class ExactGate:
     def verdicts(self) -> dict[Signature, bool]:
         return dict(self._verdict)
 
+    def verified(self, signature: Signature) -> bool:
+        """Has the kernel matched eager for this signature (so `fast` runs without a comparison)?"""
+        return self._verdict.get(signature) is True
+
     def reset(self) -> None:
         self._verdict.clear()
         self.fast_calls = 0

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .exact import ExactGate, Signature, tensor_signature
+
 logger = logging.getLogger(__name__)
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -231,7 +233,7 @@ def gelu_site(module: nn.Module, attr: str, x: torch.Tensor, out: torch.Tensor |
     Mounted and the dynamic guard passes: the fused call; otherwise unfused.
 
     out: write the result there (e.g. a column slice of a buffer the caller would otherwise `cat` into) and return
-    it; unmounted, the GELU itself writes into `out`, the same values as the allocating call."""
+    it; unmounted, the GELU itself writes into `out` (`gelu_tanh_into`), the same values as the allocating call."""
     layer = getattr(module, attr)
     sites = module.__dict__.get(_SITES_ATTR)
     if sites is not None and sites.get(attr, False):
@@ -241,7 +243,47 @@ def gelu_site(module: nn.Module, attr: str, x: torch.Tensor, out: torch.Tensor |
             return fused if out is None else out.copy_(fused)
     if out is None:
         return F.gelu(layer(x), approximate="tanh")
-    return torch._C._nn.gelu(layer(x), approximate="tanh", out=out)
+    return gelu_tanh_into(layer(x), out)
+
+
+GELU_INTO_GATE = ExactGate("gelu_tanh_into")
+
+
+def _gelu_into_signature(h: torch.Tensor, out: torch.Tensor) -> Signature | None:
+    if h.device.type != "cuda" or h.dtype not in (torch.float16, torch.bfloat16, torch.float32) or h.dim() < 2:
+        return None
+    if torch.is_grad_enabled() and h.requires_grad:
+        return None
+    if out.shape != h.shape or out.dtype != h.dtype or out.device != h.device or not h.is_contiguous():
+        return None
+    # out's rows must be evenly strided with unit columns (a column slice of a contiguous buffer is)
+    rows = out.shape[:-1]
+    if out.stride(-1) != 1 or any(out.stride(i) != out.stride(i + 1) * rows[i + 1] for i in range(len(rows) - 1)):
+        return None
+    return tensor_signature(h, out)
+
+
+def gelu_tanh_into(h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`F.gelu(h, approximate="tanh")` written into `out` (e.g. a column slice), bit for bit; returns out.
+
+    On CUDA a Triton kernel that writes the strided rows at full bandwidth (aten's elementwise loop does not
+    vectorise a non-contiguous output), behind a bit-exact gate; elsewhere aten with out=."""
+    sig = _gelu_into_signature(h, out)
+
+    def fast() -> torch.Tensor:
+        from . import _lossless_triton
+
+        # while the gate compares, the kernel writes a scratch tensor: eager has already filled `out`
+        dst = out if GELU_INTO_GATE.verified(sig) else torch.empty_like(h)
+        _lossless_triton.gelu_tanh(_rows(h), _rows(dst))
+        return dst
+
+    return GELU_INTO_GATE.run(sig, fast, lambda: torch._C._nn.gelu(h, approximate="tanh", out=out))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., N] with evenly strided rows (see _gelu_into_signature) -> a [M, N] view of the same memory."""
+    return t.as_strided((t.numel() // t.shape[-1], t.shape[-1]), (t.stride(-2), 1))
 
 
 @dataclass

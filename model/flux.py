@@ -43,6 +43,10 @@ if TYPE_CHECKING:
 
 logger = logging.get_logger(__name__)
 
+# The single block writes attention and GELU straight into proj_out's input instead of cat-ing them (same values,
+# one full-width copy less). A switch only so bench/lossless_fusions.py can measure it.
+SINGLE_BLOCK_WRITES_IN_PLACE = True
+
 __all__ = [
     "FluxTransformer",
     "FluxTransformerBlock",
@@ -320,7 +324,8 @@ class FluxSingleTransformerBlock(nn.Module):
     ) -> torch.Tensor:
         """The block on the joint [text; image] sequence (what diffusers computes between its cat and split)."""
         norm_hidden_states, gate = self.norm(joint, emb=temb)
-        if type(self.proj_mlp) is nn.Linear and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if (SINGLE_BLOCK_WRITES_IN_PLACE and type(self.proj_mlp) is nn.Linear and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()):
             # diffusers: proj_out(cat([attn, gelu(proj_mlp(x))], dim=2)). Both halves are written straight into
             # their columns of the proj_out input (the values cat would copy there), saving a full-width copy.
             # (tp/ shards proj_mlp into another layer type: that path keeps the cat; so do autograd (out= ops

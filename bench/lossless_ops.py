@@ -1,17 +1,18 @@
-"""LayerNorm + AdaLN modulation, and QK RMSNorm + RoPE, on one GPU (a script, not a test).
+"""The lossless tier's norm and elementwise kernels on one GPU, per call (a script, not a test).
 
 1. Which FMA contraction choices of our aten-order LayerNorm kernel reproduce torch's CUDA LayerNorm statistics
    (mean and rstd from `torch.native_layer_norm`, bit for bit) on FLUX rows; the library default must be one.
-2. Time per call at the FLUX shapes (bf16, CUDA-graph replays, inputs rotated past L2): eager
-   `F.layer_norm` + modulation (3 elementwise ops), eager LayerNorm + our bit-exact modulate kernel (the previous
-   lossless path), the fused exact kernel (lossless), and the fused fast kernel (quality "high", not bit-exact,
-   with its max abs error against eager).
-
+2. LayerNorm + AdaLN modulation, time per call at the FLUX shapes (bf16, CUDA-graph replays, inputs rotated past
+   L2): eager `F.layer_norm` + modulation (3 elementwise ops), aten LayerNorm + our modulate kernel, the fused
+   exact kernel with either lane tree (lossless), and the fused fast kernel (quality "high", not bit-exact, with
+   its max abs error against eager).
 3. QK RMSNorm + RoPE(+cat): which FMA choice for the sum of squares matches torch's CUDA rms_norm (the
-   library default must), and time per call: eager diffusers (2 RMSNorms, cat, eager RoPE), the previous
-   lossless path (2 RMSNorms + our RoPE/cat kernel) and the fused kernel.
+   library default must), and time per call: eager diffusers (2 RMSNorms, cat, eager RoPE), 2 RMSNorms + our
+   RoPE/cat kernel, and the fused kernel.
+4. tanh-GELU into the single block's proj_out input (a column slice, 4608 x 12288 of 15360 columns): aten's
+   `gelu(out=slice)`, aten into a contiguous tensor (the cat path's GELU, before its copy), and our kernel.
 
-Usage: python bench/norm_ops.py [--out bench/results/norm-h200.md]
+Usage: python bench/lossless_ops.py [--out bench/results/lossless-ops-h200.md] [--search]
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ def variant_search(dtype: torch.dtype, variants: list[tuple]) -> tuple[list[str]
 
 
 def bench_times(dtype: torch.dtype) -> list[str]:
-    rows = ["| shape | eager LN + eager modulate us | eager LN + modulate kernel us (previous lossless) "
-            "| fused exact us (lossless) | fused fast us (high) | exact: torch.equal | fast: max abs err "
-            "(eager max abs) |", "|---|---|---|---|---|---|---|"]
+    rows = ["| shape | eager LN + eager modulate us | aten LN + our modulate kernel us | fused exact, tl.reduce tree us "
+            "| fused exact, explicit tree us | fused fast us (high) | exact (both trees): torch.equal "
+            "| fast: max abs err (eager max abs) |", "|---|---|---|---|---|---|---|---|"]
     for B, S, D in SHAPES:
         nsets = min(32, max(2, math.ceil(4 * L2_BYTES / (2 * B * S * D * 2))))
         sets = [_inputs(B, S, D, dtype, 100 + i) for i in range(nsets)]
@@ -82,13 +83,16 @@ def bench_times(dtype: torch.dtype) -> list[str]:
 
         x, scale, shift = sets[0]
         ref = eager(sets[0])
-        exact_ok = torch.equal(K.ln_modulate_exact(x, scale, shift, EPS), ref)
+        exact_ok = all(torch.equal(K.ln_modulate_exact(x, scale, shift, EPS, tree=t), ref)
+                       for t in ("reduce", "explicit"))
         fast_err = (K.ln_modulate_fast(x, scale, shift, EPS).float() - ref.float()).abs().max().item()
         t_eager = graph_time_us([lambda s=s: eager(s) for s in sets])
         t_prev = graph_time_us([lambda s=s: K.modulate(F.layer_norm(s[0], (D,), eps=EPS), s[1], s[2]) for s in sets])
-        t_exact = graph_time_us([lambda s=s: K.ln_modulate_exact(s[0], s[1], s[2], EPS) for s in sets])
+        t_exact = graph_time_us([lambda s=s: K.ln_modulate_exact(s[0], s[1], s[2], EPS, tree="reduce") for s in sets])
+        t_explicit = graph_time_us([lambda s=s: K.ln_modulate_exact(s[0], s[1], s[2], EPS, tree="explicit")
+                                    for s in sets])
         t_fast = graph_time_us([lambda s=s: K.ln_modulate_fast(s[0], s[1], s[2], EPS) for s in sets])
-        rows.append(f"| ({B}, {S}, {D}) | {t_eager:.1f} | {t_prev:.1f} | {t_exact:.1f} | {t_fast:.1f} | {exact_ok} "
+        rows.append(f"| ({B}, {S}, {D}) | {t_eager:.1f} | {t_prev:.1f} | {t_exact:.1f} | {t_explicit:.1f} | {t_fast:.1f} | {exact_ok} "
                     f"| {fast_err:.3g} ({ref.float().abs().max().item():.3g}) |")
         print(rows[-1], flush=True)
         del sets
@@ -145,15 +149,40 @@ def rms_rope_times(dtype: torch.dtype) -> list[str]:
     return rows
 
 
+@torch.no_grad()
+def gelu_into_times(dtype: torch.dtype) -> list[str]:
+    from torch.nn.functional import gelu
+
+    rows = ["| (B, tokens, GELU columns of proj_out input) | aten gelu(out=slice) us | aten gelu, contiguous us "
+            "| our kernel into the slice us | kernel == aten (torch.equal) |", "|---|---|---|---|---|"]
+    for B in (1, 2):
+        S, A, F_ = 4608, 3072, 12288
+        sets = [((torch.randn(B, S, F_, device="cuda") * 3).to(dtype),
+                 torch.empty(B, S, A + F_, device="cuda", dtype=dtype)) for _ in range(4)]
+        h, buf = sets[0]
+        K.gelu_tanh(h.view(-1, F_), buf.view(-1, A + F_)[:, A:])
+        ok = torch.equal(buf[..., A:], gelu(h, approximate="tanh"))
+        t_slice = graph_time_us([lambda a=a: torch._C._nn.gelu(a[0], approximate="tanh", out=a[1][..., A:])
+                                 for a in sets])
+        t_contig = graph_time_us([lambda a=a: gelu(a[0], approximate="tanh") for a in sets])
+        t_ours = graph_time_us([lambda a=a: K.gelu_tanh(a[0].view(-1, F_), a[1].view(-1, A + F_)[:, A:])
+                                for a in sets])
+        rows.append(f"| ({B}, {S}, {F_}) | {t_slice:.1f} | {t_contig:.1f} | {t_ours:.1f} | {ok} |")
+        print(rows[-1], flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/norm-h200.md")
+    ap.add_argument("--out", default="bench/results/lossless-ops-h200.md")
     ap.add_argument("--search", action="store_true", help="try every FMA variant of the LayerNorm kernel")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     import triton
 
-    lines = ["# LayerNorm + AdaLN modulation", "", f"Command: `python3 {' '.join(sys.argv)}`", "",
+    lines = ["# Lossless norm and elementwise kernels", "", f"Command: `python3 {' '.join(sys.argv)}`", "",
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
              f"library default variant {K.LN_FMA_VARIANT}.", ""]
     # --search: all 24 variants in bf16, then the other dtypes re-check the bf16 survivors and the default (each
@@ -170,6 +199,7 @@ def main() -> None:
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         lines += rms_rope(dtype) + [""]
     lines += ["## QK RMSNorm + RoPE(+cat): time per call (bf16, H=24, D=128)", ""] + rms_rope_times(torch.bfloat16)
+    lines += ["", "## tanh-GELU into a column slice: time per call (bf16)", ""] + gelu_into_times(torch.bfloat16)
     text = "\n".join(lines) + "\n"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
