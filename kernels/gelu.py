@@ -233,14 +233,15 @@ def gelu_site(module: nn.Module, attr: str, x: torch.Tensor, out: torch.Tensor |
     Mounted and the dynamic guard passes: the fused call; otherwise unfused.
 
     out: write the result there (e.g. a column slice of a buffer the caller would otherwise `cat` into) and return
-    it; unmounted, the GELU itself writes into `out` (`gelu_tanh_into`), the same values as the allocating call."""
+    it: the GELU writes into `out` (`gelu_tanh_into`), the same values as the allocating call. A mounted site takes
+    this path too: the fused epilogue writes contiguous rows, and copying them into the slice costs as much as the
+    GELU pass it saves (bench/results/lossless-ops-h200.md), so the exact path is the faster one there."""
     layer = getattr(module, attr)
     sites = module.__dict__.get(_SITES_ATTR)
-    if sites is not None and sites.get(attr, False):
+    if out is None and sites is not None and sites.get(attr, False):
         ok, _ = can_fuse_linear_gelu(layer, x)
         if ok:
-            fused = fused_linear_gelu_tanh(x, layer.weight, layer.bias)
-            return fused if out is None else out.copy_(fused)
+            return fused_linear_gelu_tanh(x, layer.weight, layer.bias)
     if out is None:
         return F.gelu(layer(x), approximate="tanh")
     return gelu_tanh_into(layer(x), out)
