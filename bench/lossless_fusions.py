@@ -35,7 +35,17 @@ from kernels.exact import same_values  # noqa: E402
 from model import flux  # noqa: E402
 from model.flux import FluxTransformer  # noqa: E402
 
-FUSIONS = ("residual", "rope", "rms", "modulate", "layernorm", "in_place", "gelu_into")
+# fusion -> (object, attribute, the value that turns it on); residual: the kernels package's process-wide switch
+SWITCHES = {
+    "residual": (kres, "_fast_path_disabled", False),
+    "rope": (krope.GATE, "enabled", True),
+    "rms": (krope.RMS_GATE, "enabled", True),
+    "modulate": (kmod.GATE, "enabled", True),
+    "layernorm": (kmod.LN_GATE, "enabled", True),
+    "in_place": (flux, "SINGLE_BLOCK_WRITES_IN_PLACE", True),
+    "gelu_into": (kgelu.GELU_INTO_GATE, "enabled", True),
+}
+FUSIONS = tuple(SWITCHES)
 VARIANTS: list[tuple[str, tuple[str, ...] | None]] = [
     ("diffusers", ()),  # (the fusion switches do not touch the reference model)
     ("ours, every fusion off", ()),
@@ -48,24 +58,15 @@ VARIANTS: list[tuple[str, tuple[str, ...] | None]] = [
     ("+ our GELU kernel into that slice", FUSIONS),
     ("ours, library defaults", None),
 ]
-# what the library runs by default (the lossless tier as served)
-DEFAULTS = (kres._fast_path_disabled, krope.GATE.enabled, krope.RMS_GATE.enabled, kmod.GATE.enabled,
-            kmod.LN_GATE.enabled, flux.SINGLE_BLOCK_WRITES_IN_PLACE, kgelu.GELU_INTO_GATE.enabled)
+# what the library runs by default (the lossless tier as served): fusion -> on?
+DEFAULTS = {f: getattr(obj, attr) == on_value for f, (obj, attr, on_value) in SWITCHES.items()}
 
 
 def set_fusions(on: tuple[str, ...] | None) -> None:
-    """on=None: the library defaults."""
-    if on is None:
-        (kres._fast_path_disabled, krope.GATE.enabled, krope.RMS_GATE.enabled, kmod.GATE.enabled,
-         kmod.LN_GATE.enabled, flux.SINGLE_BLOCK_WRITES_IN_PLACE, kgelu.GELU_INTO_GATE.enabled) = DEFAULTS
-        return
-    kres._fast_path_disabled = "residual" not in on  # the kernels package's process-wide switch
-    krope.GATE.enabled = "rope" in on
-    krope.RMS_GATE.enabled = "rms" in on
-    kmod.GATE.enabled = "modulate" in on
-    kmod.LN_GATE.enabled = "layernorm" in on
-    flux.SINGLE_BLOCK_WRITES_IN_PLACE = "in_place" in on
-    kgelu.GELU_INTO_GATE.enabled = "gelu_into" in on
+    """Turn exactly the fusions in `on` on; on=None: the library defaults."""
+    for f, (obj, attr, on_value) in SWITCHES.items():
+        enabled = DEFAULTS[f] if on is None else f in on
+        setattr(obj, attr, on_value if enabled else not on_value)
 
 
 def make_inputs(batch: int, device: str, dtype: torch.dtype) -> dict:
@@ -199,7 +200,7 @@ def main() -> None:
              "gelu into slice": kgelu.GELU_INTO_GATE}
     lines += ["", "gate verdicts: " + ", ".join(f"{k} {sorted(set(g.verdicts().values()))}" for k, g in gates.items())
               + f"; residual fast path disabled: {kres.fast_path_disabled()}; library defaults: "
-              + ", ".join(f"{f}={v}" for f, v in zip(("residual-off", *FUSIONS[1:]), DEFAULTS))]
+              + ", ".join(f"{f}={v}" for f, v in DEFAULTS.items())]
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:

@@ -196,7 +196,7 @@ def _welford_add(mean, m2, cnt, v, valid, RCP: tl.constexpr, FMA_MEAN: tl.conste
     # aten cuWelfordOnlineSum: delta = v - mean; n += 1; mean += delta * (1/n); m2 += delta * (v - mean_new).
     # Every valid lane holds the same count at a given (iteration, element), so 1/n is a compile-time constant:
     # RCP is the Python double 1/n, and its fp32 rounding equals the correctly rounded fp32 1/n for every n up to
-    # 16383 (tests/test_flux_lossless.py checks it). No per-element division: no branch into the slow path of
+    # _MAX_LANE_COUNT (tests/test_flux_lossless.py checks it). No per-element division: no branch into the slow path of
     # IEEE division between the loads, so they issue back to back.
     delta = v - mean
     if FMA_MEAN:
@@ -533,7 +533,8 @@ def rms_rope_cat(
 # 0.5 * x * (1 + tanhf(inner)), rounded once to the output dtype. Into a non-contiguous `out` aten falls back to
 # its unvectorised elementwise loop (about twice the time of the contiguous call); this kernel writes the slice at
 # full bandwidth. nvcc may contract `x + kKappa * x_cube` into an FMA; GELU_FMA_INNER is the choice measured to
-# match torch's CUDA build on every bf16 and fp16 value (tests/test_kernels_gpu.py), and the gate checks it again.
+# match torch's CUDA build on every bf16 and fp16 value (tests/test_flux_lossless.py), and the gate checks it
+# again.
 
 GELU_FMA_INNER = True
 GELU_CONFIG = {"BLOCK": 2048, "num_warps": 8}

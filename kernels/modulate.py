@@ -21,7 +21,7 @@ from .exact import ExactGate, Signature, tensor_signature
 
 GATE = ExactGate("modulate")
 LN_GATE = ExactGate("layer_norm_modulate")  # on: aten's LayerNorm statistics replayed bit for bit, ~1.6x faster
-# than aten's LayerNorm followed by our modulate kernel at the FLUX shapes (bench/results/norm-h200.md)
+# than aten's LayerNorm followed by our modulate kernel at the FLUX shapes (bench/results/lossless-ops-h200.md)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _HALF = (torch.float16, torch.bfloat16)
 # Per-module flag: does this norm site run the fast (not bit-exact) LayerNorm+modulate kernel? A plain instance
