@@ -51,18 +51,26 @@ def _inputs(B=2, S=5, D=16, dtype=torch.bfloat16, gate="b1d", seed=0):
 
 
 class _LaunchSpy:
-    """Stands in for the Triton launch: records the call and returns the eager result."""
+    """Stands in for the Triton launch: records the call (with its clip) and returns a fresh tensor that tests can
+    recognise by identity, so "the kernel's result was returned" is checked by `is`, never by comparing the spy's
+    own arithmetic with itself."""
+
+    SENTINEL = 7.0
 
     def __init__(self, fail: Exception | None = None):
         self.calls: list[tuple] = []
+        self.clips: list[float | None] = []
+        self.results: list[torch.Tensor] = []
         self.fail = fail
 
     def __call__(self, residual, update, gate3, clip=None):
         self.calls.append((residual.shape, gate3.shape, gate3.stride()))
+        self.clips.append(clip)
         if self.fail is not None:
             raise self.fail
-        out = residual + gate3 * update
-        return out if clip is None else out.clip(-clip, clip)
+        out = torch.full_like(residual, self.SENTINEL)
+        self.results.append(out)
+        return out
 
 
 @pytest.fixture
@@ -88,17 +96,63 @@ def test_residual_on_cpu_is_the_eager_expression(dtype, gate, monkeypatch):
     assert spy.calls == []  # the CPU guard refused before any launch
 
 
-def test_residual_clip_reaches_the_kernel_and_fallback(fake_cuda_residual, monkeypatch):
-    """`clip` is eager's `.clip(-c, c)` after the add, on the fast path and on the eager fallback alike."""
-    r, u, g = _inputs(B=2, gate="chunk6")
-    r, u, g = r.half() * 1e4, u.half() * 300, g.half() * 300  # finite r: inf sums, no NaN
-    ref = (r + g * u).clip(-65504, 65504)
-    assert torch.isinf(r + g * u).any()
-    assert torch.equal(kernels.residual_gate_add(r, u, g, clip=65504.0), ref)
-    assert len(fake_cuda_residual.calls) == 1
-    monkeypatch.setattr(R, "_device_supported", lambda device: False)  # CPU: the eager expression, same clip
-    assert torch.equal(kernels.residual_gate_add(r, u, g, clip=65504.0), ref)
-    assert len(fake_cuda_residual.calls) == 1
+def _clip_inputs(B: int = 2):
+    """fp16 operands whose eager sum overflows to +-inf in places and is NaN in one place (inf - inf)."""
+    r, u, g = _inputs(B=B, gate="chunk6")
+    r, u, g = r.half() * 1e4, u.half() * 300, g.half() * 300
+    r[0, 0, 0], u[0, 0, 0], g[0, 0, 0] = float("inf"), 1.0, -float("inf")  # inf + (-inf * 1) = NaN
+    return r, u, g
+
+
+def _clipped(r, u, g):
+    """What diffusers computes at the two clipping sites: the eager add, then `.clip(-65504, 65504)`."""
+    return (r + g * u).clip(-65504, 65504)
+
+
+def test_clip_inputs_really_overflow() -> None:
+    r, u, g = _clip_inputs()
+    raw, ref = r + g * u, _clipped(r, u, g)
+    assert torch.isinf(raw).any() and torch.isnan(raw).any()
+    assert not torch.isinf(ref).any() and ref.nan_to_num(0).abs().max() == 65504 and torch.isnan(ref).sum() == 1
+
+
+def test_residual_clip_reaches_the_kernel(fake_cuda_residual):
+    r, u, g = _clip_inputs()
+    out = kernels.residual_gate_add(r, u, g, clip=65504.0)
+    assert out is fake_cuda_residual.results[-1] and fake_cuda_residual.clips == [65504.0]
+    kernels.residual_gate_add(r, u, g)
+    assert fake_cuda_residual.clips == [65504.0, None]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    from kernels.exact import same_values
+
+    return same_values(a, b)
+
+
+def test_residual_clip_on_an_unsupported_device_is_clipped_eager(monkeypatch):
+    spy = _LaunchSpy()
+    monkeypatch.setattr(R, "_launch", spy)
+    r, u, g = _clip_inputs()
+    assert _same(kernels.residual_gate_add(r, u, g, clip=65504.0), _clipped(r, u, g))
+    assert spy.calls == []
+
+
+def test_residual_clip_survives_a_kernel_failure_and_the_disabled_path(monkeypatch, caplog):
+    """A failing launch falls back to eager with the clip (an unclipped fallback returns inf where diffusers clips),
+    and so does every later call once the fast path is disabled."""
+    spy = _LaunchSpy(fail=RuntimeError("launch failed"))
+    monkeypatch.setattr(R, "_device_supported", lambda device: True)
+    monkeypatch.setattr(R, "_launch", spy)
+    r, u, g = _clip_inputs()
+    with caplog.at_level(logging.WARNING, logger="kernels.residual"):
+        first = kernels.residual_gate_add(r, u, g, clip=65504.0)
+    assert _same(first, _clipped(r, u, g)) and not torch.isinf(first).any()
+    assert kernels.fast_path_disabled() and len(spy.calls) == 1
+    r2, u2, g2 = _clip_inputs(B=3)
+    later = kernels.residual_gate_add(r2, u2, g2, clip=65504.0)
+    assert _same(later, _clipped(r2, u2, g2)) and len(spy.calls) == 1  # disabled: eager, not retried
+    assert _same(kernels.residual_gate_add(r2, u2, g2), r2 + g2 * u2)  # no clip asked: none applied
 
 
 @pytest.mark.parametrize(
@@ -108,7 +162,7 @@ def test_residual_clip_reaches_the_kernel_and_fallback(fake_cuda_residual, monke
 def test_residual_supported_gates_reach_the_kernel(fake_cuda_residual, gate, B, stride0):
     r, u, g = _inputs(B=B, gate=gate)
     out = kernels.residual_gate_add(r, u, g)
-    assert torch.equal(out, r + g * u)
+    assert out is fake_cuda_residual.results[-1]
     (res_shape, g_shape, g_stride), = fake_cuda_residual.calls
     assert res_shape == (B, 5, 16) and g_shape == (B, 1, 16)
     assert g_stride[2] == 1
@@ -149,7 +203,7 @@ def test_residual_requires_grad_runs_eager(fake_cuda_residual):
     out = kernels.residual_gate_add(r, u, g)
     assert out.requires_grad and fake_cuda_residual.calls == []
     with torch.no_grad():
-        kernels.residual_gate_add(r, u, g)
+        assert kernels.residual_gate_add(r, u, g) is fake_cuda_residual.results[-1]
     assert len(fake_cuda_residual.calls) == 1
 
 
@@ -192,7 +246,7 @@ def test_torch_compile_traces_the_custom_op(monkeypatch):
     torch._dynamo.reset()
     fn = torch.compile(kernels.residual_gate_add, backend="eager", fullgraph=True)
     r, u, g = _inputs(gate="chunk6")
-    assert torch.equal(fn(r, u, g), r + g * u)
+    assert torch.equal(fn(r, u, g), torch.full_like(r, _LaunchSpy.SENTINEL))  # the op's result, not eager's
     assert len(spy.calls) == 1
 
     spy.fail = RuntimeError("compiled kernel failed")

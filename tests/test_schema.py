@@ -1,0 +1,123 @@
+"""Request validation without Ray: every limit of `deployments.schema.validate` at its boundary.
+
+Each bound is tried just inside (accepted, with the value carried into the jobs) and just outside (a BadRequest
+naming the field). The serve suite checks that a BadRequest becomes a 400 over HTTP; here the limits themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from deployments.config import AppArgs, Limits
+from deployments.schema import SEED_MAX, BadRequest, ImageRequest, validate
+
+LIMITS = Limits(min_side=64, max_side=1024, max_pixels=512 * 1024, size_multiple=16, min_steps=2, max_steps=50,
+                max_n=3, max_prompt_chars=40, max_guidance=12.0)
+ARGS = AppArgs.parse({"default_size": "256x256", "default_steps": 4, "default_guidance": 3.5,
+                      "request_timeout_s": 30, "limits": LIMITS.__dict__})
+MODEL = "tiny"
+
+
+def _validate(args: AppArgs = ARGS, **body: Any):
+    return validate(ImageRequest(**{"prompt": "a red fox", **body}), args, MODEL)
+
+
+# (field, value just inside, value just outside, words the 400 must say)
+BOUNDS = [
+    ("n", {"n": 1}, {"n": 0}, "n must be between 1 and 3"),
+    ("n", {"n": 3}, {"n": 4}, "n must be between 1 and 3"),
+    ("steps", {"steps": 2}, {"steps": 1}, "steps must be between 2 and 50"),
+    ("steps", {"steps": 50}, {"steps": 51}, "steps must be between 2 and 50"),
+    ("guidance", {"guidance": 0.0}, {"guidance": -1e-9}, "guidance must be between 0 and 12.0"),
+    ("guidance", {"guidance": 12.0}, {"guidance": 12.000001}, "guidance must be between 0 and 12.0"),
+    ("guidance", {"guidance": 12}, {"guidance": 13}, "guidance must be between 0 and 12.0"),
+    ("prompt", {"prompt": "x" * 40}, {"prompt": "x" * 41}, "prompt is too long: 41 characters, at most 40"),
+    ("prompt", {"prompt": " x "}, {"prompt": " \t\n"}, "prompt must not be empty"),
+    ("size", {"size": "64x64"}, {"size": "48x64"}, "too small: each side must be >= 64"),
+    ("size", {"size": "64x64"}, {"size": "64x48"}, "too small: each side must be >= 64"),
+    ("size", {"size": "1024x512"}, {"size": "1040x256"}, "too large: each side must be <= 1024"),
+    ("size", {"size": "512x1024"}, {"size": "256x1040"}, "too large: each side must be <= 1024"),
+    ("size", {"size": "1024x512"}, {"size": "1024x528"}, "at most 524288 pixels"),
+    ("size", {"size": "80x64"}, {"size": "72x64"}, "multiples of 16"),
+    ("size", {"size": "64x80"}, {"size": "64x72"}, "multiples of 16"),
+    ("size", {"size": "256x256"}, {"size": "256X256"}, 'size must be "WxH"'),
+    ("size", {"size": "256x256"}, {"size": " 256x256"}, 'size must be "WxH"'),
+    ("size", {"size": "256x256"}, {"size": "1234567x16"}, 'size must be "WxH"'),
+    ("seed", {"seed": 0}, {"seed": -1}, "seed must be between 0 and"),
+    ("seed", {"seed": SEED_MAX}, {"seed": SEED_MAX + 1}, f"seed must be between 0 and {SEED_MAX}"),
+    # n images take seeds seed .. seed + n - 1: the last one must still be a valid seed
+    ("seed", {"seed": SEED_MAX - 2, "n": 3}, {"seed": SEED_MAX - 1, "n": 3},
+     f"seed must be between 0 and {SEED_MAX - 2}"),
+    ("timeout_s", {"timeout_s": 30}, {"timeout_s": 30.001}, "timeout_s must be > 0 and <= 30, got"),
+    ("timeout_s", {"timeout_s": 1e-6}, {"timeout_s": 0}, "timeout_s must be > 0 and <= 30, got"),
+    ("timeout_s", {"timeout_s": 1e-6}, {"timeout_s": -1}, "timeout_s must be > 0 and <= 30, got"),
+    ("quality", {"quality": "high"}, {"quality": "High"}, "unknown quality 'High'"),
+    ("model", {"model": MODEL}, {"model": "dall-e-3"}, "unknown model 'dall-e-3'; this server serves 'tiny'"),
+]
+
+
+@pytest.mark.parametrize("param,inside,outside,message", BOUNDS,
+                         ids=[f"{b[0]}-{i}" for i, b in enumerate(BOUNDS)])
+def test_each_bound_accepts_inside_and_names_the_field_outside(param: str, inside: dict, outside: dict,
+                                                               message: str) -> None:
+    v = _validate(**inside)
+    assert len(v.jobs) == inside.get("n", 1)
+    with pytest.raises(BadRequest) as exc:
+        _validate(**outside)
+    assert exc.value.param == param
+    assert message in exc.value.message, exc.value.message
+
+
+def test_accepted_values_reach_the_jobs() -> None:
+    v = _validate(n=3, seed=SEED_MAX - 2, size="1024x512", steps=50, guidance=12, quality="high", timeout_s=7)
+    assert [j.seed for j in v.jobs] == [SEED_MAX - 2, SEED_MAX - 1, SEED_MAX]
+    assert {(j.height, j.width, j.steps, j.guidance, j.quality) for j in v.jobs} == {(512, 1024, 50, 12.0, "high")}
+    assert isinstance(v.jobs[0].guidance, float)
+    assert v.size == "1024x512" and v.timeout_s == 7.0
+
+
+def test_defaults_come_from_the_config() -> None:
+    v = _validate()
+    (job,) = v.jobs
+    assert (job.height, job.width, job.steps, job.guidance, job.quality) == (256, 256, 4, 3.5, "lossless")
+    assert v.timeout_s == 30.0 and v.size == "256x256"
+    assert 0 <= job.seed < 2**31  # a random seed when none is asked for, reported back through the job
+
+
+def test_random_seeds_differ_between_requests() -> None:
+    seeds = {_validate().jobs[0].seed for _ in range(8)}
+    assert len(seeds) > 1
+
+
+def test_max_pixels_below_max_side_squared_is_enforced() -> None:
+    # max_side allows 1024 per side, but only 300_000 pixels in all: 512x512 (262_144) passes, 576x576 does not.
+    args = replace(ARGS, limits=replace(LIMITS, max_pixels=300_000))
+    assert _validate(args, size="512x512").jobs[0].height == 512
+    assert _validate(args, size="1024x256").jobs[0].width == 1024
+    for size in ("576x576", "1024x320"):
+        with pytest.raises(BadRequest) as exc:
+            _validate(args, size=size)
+        assert exc.value.param == "size" and "at most 300000 pixels" in exc.value.message
+
+
+def test_default_size_outside_the_limits_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="args.default_size: size 2048x2048 is too large"):
+        AppArgs.parse({"default_size": "2048x2048", "limits": {"max_side": 1024}})
+    with pytest.raises(ValueError, match="at most 100000 pixels"):
+        AppArgs.parse({"default_size": "512x512", "limits": {"max_pixels": 100_000}})
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"prompt": 5}, "prompt"), ({"n": "2"}, "n"), ({"steps": 4.5}, "steps"), ({"seed": "1"}, "seed"),
+    ({"guidance": "3"}, "guidance"), ({"size": [256, 256]}, "size"), ({"response_format": "url"}, "response_format"),
+    ({"colour": "red"}, "colour"),
+])
+def test_the_http_model_is_strict_about_types(body: dict, field: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as exc:
+        ImageRequest(**{"prompt": "x", **body})
+    assert exc.value.errors()[0]["loc"][0] == field
