@@ -25,7 +25,11 @@ if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request t
 logger = logging.getLogger(__name__)
 
 QUALITIES = ("lossless", "high")
-_MAX_T5_TOKENS = 512  # FluxPipeline refuses more
+# T5 tokens per prompt, as diffusers uses each model: FluxPipeline's default (512, also its maximum) for FLUX.1-dev;
+# FLUX.1-schnell (no guidance embedding) is documented and run with 256. A tokenizer with a smaller
+# model_max_length (the tiny presets) lowers it further.
+_T5_TOKENS_DEV = 512
+_T5_TOKENS_SCHNELL = 256
 
 
 @dataclass
@@ -97,7 +101,9 @@ def md5(data: bytes | torch.Tensor) -> str:
 
 
 def max_sequence_length(pipe: Any) -> int:
-    return min(_MAX_T5_TOKENS, int(pipe.tokenizer_2.model_max_length))
+    """T5 tokens per prompt for this pipeline's model (see _T5_TOKENS_DEV)."""
+    default = _T5_TOKENS_DEV if pipe.transformer.config.guidance_embeds else _T5_TOKENS_SCHNELL
+    return min(default, int(pipe.tokenizer_2.model_max_length))
 
 
 def request_generators(requests: list[GenerationRequest]) -> list["torch.Generator"]:

@@ -37,10 +37,18 @@ def _stock_diffusers(path: Path, dtype: torch.dtype = torch.float32):
     return pipe
 
 
-def _stock_run(pipe, prompts: list[str], seeds: list[int], steps: int, size: int, guidance: float = 3.5):
-    """Latents (unpacked) and PNG bytes from stock diffusers, through its own output paths."""
-    common = dict(prompt=prompts, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance,
-                  max_sequence_length=min(512, pipe.tokenizer_2.model_max_length))
+# The tiny presets' T5 tokenizer declares 32 tokens (model_max_length); stock diffusers is told so explicitly. The
+# stock defaults (512 for dev, 256 for schnell) are pinned on a copy whose T5 allows 512 (test_t5_length_*).
+TINY_T5_TOKENS = 32
+
+
+def _stock_run(pipe, prompts: list[str], seeds: list[int], steps: int, size: int, guidance: float = 3.5,
+               max_sequence_length: int | None = TINY_T5_TOKENS):
+    """Latents (unpacked) and PNG bytes from stock diffusers, through its own output paths. max_sequence_length None:
+    diffusers' own default (the argument is not passed)."""
+    common = dict(prompt=prompts, height=size, width=size, num_inference_steps=steps, guidance_scale=guidance)
+    if max_sequence_length is not None:
+        common["max_sequence_length"] = max_sequence_length
     packed = pipe(**common, generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="latent").images
     latents = pipe._unpack_latents(packed, size, size, pipe.vae_scale_factor)
     images = pipe(**common, generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="pil").images
@@ -100,7 +108,8 @@ def test_lossless_bit_exact_bf16_cpu(tiny_path) -> None:
     req = GenerationRequest("a robot, pixel art", steps=2, seed=3, height=128, width=192)
     res = ours.generate([req])[0]
     stock = _stock_diffusers(tiny_path, torch.bfloat16)
-    common = dict(height=128, width=192, num_inference_steps=2, guidance_scale=3.5, max_sequence_length=32)
+    common = dict(height=128, width=192, num_inference_steps=2, guidance_scale=3.5,
+                  max_sequence_length=TINY_T5_TOKENS)
     packed = stock(req.prompt, **common, generator=torch.Generator().manual_seed(3), output_type="latent").images
     ref = stock._unpack_latents(packed, 128, 192, stock.vae_scale_factor)[0]
     assert res.latents.dtype == torch.bfloat16 and res.latents.shape == (16, 16, 24)
@@ -120,6 +129,45 @@ def test_schnell_variant_has_no_guidance_and_is_bit_exact(fluxserve_cache) -> No
     # no guidance embedder: the guidance value cannot change anything
     other = ours.generate([GenerationRequest("a sailing ship", steps=2, seed=11, guidance=9.0)])[0]
     assert torch.equal(other.latents, res.latents)
+
+
+def _with_t5_max(src: Path, dest: Path, tokens: int) -> Path:
+    """A copy of a preset folder whose T5 tokenizer declares `tokens` as its maximum (same vocabulary and weights)."""
+    shutil.copytree(src, dest)
+    cfg_path = dest / "tokenizer_2" / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["model_max_length"] = tokens
+    cfg_path.write_text(json.dumps(cfg))
+    return dest
+
+
+@pytest.mark.parametrize("preset,stock_tokens", [("tiny", None), ("tiny-schnell", 256)], ids=["dev", "schnell"])
+def test_t5_length_is_stock_diffusers_default(fluxserve_cache, tmp_path, monkeypatch, preset: str,
+                                              stock_tokens: int | None) -> None:
+    """With a T5 that takes 512 tokens, lossless equals stock diffusers called as its docs do: FluxPipeline's own
+    default for dev (nothing passed: 512 tokens), max_sequence_length=256 for schnell. The encoder must see exactly
+    that many tokens (the padding changes T5's output, so a wrong length changes the image)."""
+    from diffusers import FluxPipeline
+
+    from model.presets import ensure_preset
+
+    path = _with_t5_max(ensure_preset(preset, cache_dir=fluxserve_cache), tmp_path / preset, 512)
+    ours = load_pipeline(str(path))
+    seen: list[int] = []
+    real_t5 = FluxPipeline._get_t5_prompt_embeds
+
+    def spy(self, *args, **kwargs):
+        out = real_t5(self, *args, **kwargs)
+        seen.append(out.shape[1])
+        return out
+
+    monkeypatch.setattr(FluxPipeline, "_get_t5_prompt_embeds", spy)
+    req = GenerationRequest("a tall lighthouse on a cliff", steps=2, seed=4, height=128, width=128)
+    res = ours.generate([req])[0]
+    ref_latents, ref_png = _stock_run(_stock_diffusers(path), [req.prompt], [4], 2, 128,
+                                      max_sequence_length=stock_tokens)
+    assert seen == [stock_tokens or 512] * 3  # ours, then the stock latent and PIL runs
+    assert torch.equal(res.latents, ref_latents[0]) and res.png == ref_png[0]
 
 
 def test_diffusers_reference_matches_lossless(tiny_pipe) -> None:
