@@ -18,6 +18,7 @@ from torch import nn
 import kernels
 from kernels import gelu as G
 from kernels import residual as R
+from tests._interpret import run_in_interpreter
 
 HALF = [torch.float16, torch.bfloat16]
 
@@ -537,16 +538,40 @@ def test_triton_kernel_indexing_in_the_interpreter():
     """Runs the real Triton kernel in Triton's CPU interpreter: indexing, masks and gate strides, fp16.
 
     (bf16 is checked on the GPU only: the interpreter's fp32->bf16 cast truncates instead of rounding.)"""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
+    run_in_interpreter(_INTERPRET_PROBE, "OK 13", timeout_s=120)
 
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRET_PROBE], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0 and "OK 13" in proc.stdout, proc.stdout + proc.stderr
+
+_GEMM_GELU_PROBE = r"""
+import torch, triton
+from kernels import _gemm_gelu_triton as G
+torch.manual_seed(0)
+n = 0
+for dtype in (torch.float32, torch.float16):
+    for (M, N, K) in ((70, 300, 100), (5, 64, 32)):  # ragged M, N and K tiles; a single tile
+        x = torch.randn(M, K).to(dtype)
+        w = (torch.randn(N, K) / K**0.5).to(dtype)
+        b = torch.randn(N).to(dtype)
+        out = torch.full((M, N), float("nan"), dtype=dtype)
+        BM, BN, BK = 32, 64, 32  # one fixed config: the autotuner needs a GPU to time
+        grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+        G._mm_gelu_kernel.fn[grid](x, w, b, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+                                   BM=BM, BN=BN, BK=BK, GROUP_M=2)
+        y = torch.nn.functional.linear(x.double(), w.double(), b.double())
+        ref = torch.nn.functional.gelu(y, approximate="tanh")
+        err = (out.double() - ref).abs()
+        if dtype == torch.float32:  # the math: a wrong GELU constant is ~5e-6 of |y| away
+            assert (err <= 2e-6 * (y.abs() + 1)).all(), (M, N, K, (err / (y.abs() + 1)).max().item())
+        else:  # fp16 output: one rounding of the fp32 result
+            assert (err <= 2.0**-10 * ref.abs() + 1e-4).all(), (M, N, K, err.max().item())
+        n += 1
+print("OK", n)
+"""
+
+
+def test_gemm_gelu_kernel_in_the_interpreter():
+    """The Triton GEMM + bias + tanh-GELU kernel (a `high` candidate) in the CPU interpreter: every output element
+    written, ragged tiles masked, and the epilogue's math against a float64 reference (fp32: a few ulp)."""
+    run_in_interpreter(_GEMM_GELU_PROBE, "OK 4")
 
 
 def test_gelu_dispatch_picks_fastest_correct_impl_with_margin(monkeypatch):
