@@ -162,8 +162,12 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
         res["replicas_mismatch"] = str(exc)
     del other
 
-    # Transformer level: ours and diffusers' (the eager reference), same checkpoint, TP=1 then TP=2.
+    # Transformer level: ours and diffusers' (the eager reference), same checkpoint, TP=1 then TP=2; and an exact
+    # answer independent of the sharding code: the unsharded model in float64.
     ref_tp1 = _forward(full, torch.float32)
+    full64 = load_transformer(Path(tiny_path), torch.float64)
+    res["fp64"] = _forward(full64, torch.float64)
+    del full64
     eager = FluxTransformer2DModel.from_pretrained(Path(tiny_path) / "transformer", torch_dtype=torch.float32)
     shard_flux_transformer(full, rank, WORLD, group)
     shard_flux_transformer(eager, rank, WORLD, group)
@@ -220,6 +224,22 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
         )
     res["col_full_ok"] = all(torch.equal(a, b) for a, b in zip(col.full_weight(), (lin.weight, lin.bias)))
     res["row_full_ok"] = all(torch.equal(a, b) for a, b in zip(row.full_weight(), (lin.weight, lin.bias)))
+    # The documented bias order, written out by hand (no tp/ code): rank 0 adds the bias inside its own GEMM, then
+    # the partial outputs are summed (rank 0 + rank 1). A wide reduction, so a bias added after the sum rounds
+    # differently somewhere.
+    big = torch.nn.Linear(512, 64)
+    with torch.no_grad():
+        big.weight.copy_(torch.randn(64, 512, generator=g) / 512**0.5)
+        big.bias.copy_(torch.randn(64, generator=g))
+    xb = torch.randn(16, 512, generator=g)
+    big_row = RowParallelLinear.from_linear(big, rank, WORLD, group)
+    with torch.no_grad():
+        halves = [(xb[:, :256], big.weight[:, :256]), (xb[:, 256:], big.weight[:, 256:])]
+        res["row_bias_inside"] = (torch.nn.functional.linear(*halves[0], big.bias)
+                                  + torch.nn.functional.linear(*halves[1]))
+        res["row_bias_after"] = (torch.nn.functional.linear(*halves[0]) + torch.nn.functional.linear(*halves[1])
+                                 + big.bias)
+        res["row_big"] = big_row(xb[:, rank * 256 : (rank + 1) * 256])
     res["guard_gathered"] = kgelu.can_fuse_linear_gelu(col)
     col.gather_output = False
     res["guard_local"] = kgelu.can_fuse_linear_gelu(col)
@@ -355,6 +375,32 @@ def test_tp2_transformer_close_to_tp1(tp_run: dict) -> None:
     err = (tp2 - tp1).abs().max().item()
     assert err <= TP_VS_TP1_REL_TOL * tp1.abs().max().item(), err
     assert not torch.equal(tp1, torch.zeros_like(tp1))
+
+
+def test_tp2_as_accurate_as_tp1_against_float64(tp_run: dict) -> None:
+    """Against an answer no sharding code touched (the unsharded model in float64), TP=2 in fp32 must be about as
+    accurate as TP=1 in fp32: a sharding mistake (a wrong head or column slice, a bias added twice, a missing
+    reduce) is orders of magnitude further off than fp32 rounding."""
+    import torch
+
+    exact = tp_run[0]["fp64"]
+    scale = exact.abs().max().item()
+    err_tp1 = (tp_run[0]["tp1"].double() - exact).abs().max().item()
+    err_tp2 = (tp_run[0]["tp2"].double() - exact).abs().max().item()
+    assert 0 < err_tp1 < 1e-5 * scale, (err_tp1, scale)  # fp32 rounding, and not float64 by accident
+    assert err_tp2 <= 4 * err_tp1, (err_tp2, err_tp1)
+    assert torch.equal(tp_run[1]["fp64"], exact)
+
+
+def test_row_parallel_bias_order_is_pinned(tp_run: dict) -> None:
+    """tp/layers.py: the bias is added once, inside rank 0's GEMM, before the all-reduce (`python -m
+    tp.bias_order` measured this order closer to TP=1). Bit for bit against the hand-written order."""
+    import torch
+
+    inside, after = tp_run[0]["row_bias_inside"], tp_run[0]["row_bias_after"]
+    assert not torch.equal(inside, after), "the probe cannot tell the two orders apart"
+    for r in range(WORLD):
+        assert torch.equal(tp_run[r]["row_big"], inside)
 
 
 def test_tp2_ours_bit_exact_with_eager_at_same_tp(tp_run: dict) -> None:
