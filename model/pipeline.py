@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from model import faults
+
 if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request types without needing torch
     import torch
 
@@ -137,8 +139,11 @@ def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bo
         raise GenerationCancelled("cancelled before the first step")
     final: dict[str, torch.Tensor] = {}
 
+    prompts = [r.prompt for r in requests]
+
     def on_step_end(_pipe: Any, i: int, _t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         final["latents"] = kwargs["latents"]  # packed [B, tokens, 64]; no device sync here
+        faults.after_step(prompts, i)
         if should_stop is not None and i + 1 < steps and should_stop():
             raise GenerationCancelled(f"cancelled after step {i + 1} of {steps}")
         return {}
@@ -146,7 +151,7 @@ def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bo
     generators = request_generators(requests)
     pipe.set_progress_bar_config(disable=not progress, desc=f"{first.quality} {first.width}x{first.height}")
     images = pipe(
-        prompt=[r.prompt for r in requests],
+        prompt=prompts,
         height=first.height,
         width=first.width,
         num_inference_steps=steps,

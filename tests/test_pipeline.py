@@ -537,3 +537,26 @@ def test_fast_norm_switches_for_high_batches_only(tiny_pipe, monkeypatch) -> Non
         hook.remove()
         tiny_pipe.high_fast_norm = False
         set_fast_norm(model, False)
+
+
+def test_fault_injection_slows_or_fails_only_its_prompt(tiny_pipe, monkeypatch) -> None:
+    """model.faults: off without FLUXSERVE_FAULTS; with it, only the named prompt's batches are slowed / failed."""
+    import json
+    import time
+
+    from model import faults
+
+    faults.after_step(["anything"], 0)  # off: a no-op
+    monkeypatch.setenv(faults.ENV, json.dumps({"slow one": {"step_delay_s": 0.2},
+                                               "bad one": {"raise_at_step": 1, "error": "injected OOM"}}))
+    t0 = time.perf_counter()
+    tiny_pipe.generate([GenerationRequest("slow one", steps=2, height=64, width=64)])
+    assert time.perf_counter() - t0 >= 0.4
+    with pytest.raises(RuntimeError, match="injected OOM"):
+        tiny_pipe.generate([GenerationRequest("bad one", steps=3, height=64, width=64)])
+    t0 = time.perf_counter()
+    res = tiny_pipe.generate([GenerationRequest("other", steps=2, height=64, width=64)])[0]
+    assert time.perf_counter() - t0 < 0.4 and res.png[:4] == b"\x89PNG"
+    monkeypatch.setenv(faults.ENV, "[1, 2]")
+    with pytest.raises(ValueError, match="FLUXSERVE_FAULTS must be a JSON object"):
+        faults.after_step(["x"], 0)

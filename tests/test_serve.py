@@ -1,8 +1,11 @@
 """Ray Serve product tests: a real local Ray Serve on CPU with the tiny preset.
 
-One Ray per test session (fixture `serve_app`): it deploys the app once with short autoscaling and
-health-check periods. The `serve run serve_config.yaml` smoke test runs first, in its own Ray (a
-subprocess), before the session's Ray starts, so the two never compete for the 2 cores.
+One Ray per test session (fixture `serve_app`): the app is deployed once with a fixed replica count per pool
+(autoscaling is tested in an app of its own), so stats, batching and routing never depend on a pool resizing.
+Nothing depends on the machine's speed: requests that must be slow (deadlines, cancellation, a rank killed
+mid-batch, a busy replica that makes others queue) carry a prompt that `model.faults` slows down by a fixed delay
+per step. Ports are free ports, never fixed ones; the `serve run serve_config.yaml` smoke test runs in its own Ray
+(a subprocess) on a copy of the config with a free port, so the file passes in any order.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import asyncio
 import base64
 import hashlib
 import io
+import json
 import os
+import threading
 import secrets
 import shutil
 import signal
@@ -36,6 +41,10 @@ APP = "fluxserve"
 
 # The high pool runs at TP=2 over gloo in these tests (two TPWorker ranks in a STRICT_PACK placement group).
 TP_HIGH = 2
+# Prompts that model.faults slows down (seconds per denoising step), in every Ray process these tests start.
+SLOW = "slow request for a deadline test"
+BLOCKER = "blocker request keeping a replica busy"
+STEP_DELAY_S = {SLOW: 0.5, BLOCKER: 0.5}
 
 
 def _ray_env(tmp_root: str) -> dict[str, str]:
@@ -48,6 +57,7 @@ def _ray_env(tmp_root: str) -> dict[str, str]:
         "RAY_TMPDIR": tmp_root,
         "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
         "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+        "FLUXSERVE_FAULTS": json.dumps({p: {"step_delay_s": d} for p, d in STEP_DELAY_S.items()}),
     }
 
 
@@ -73,11 +83,19 @@ def _direct_png(pipe: Any, **kw: Any) -> bytes:
 
 
 def test_serve_run_config_smoke(fluxserve_cache: Path, tiny_path: Path) -> None:
+    import yaml
+
     with tempfile.TemporaryDirectory(prefix="rs", dir="/tmp") as rt, open(Path(rt, "serve-run.log"), "wb") as logf:
         env = {**os.environ, **_ray_env(rt), "FLUXSERVE_CACHE": str(fluxserve_cache)}
         env.pop("RAY_ADDRESS", None)
+        # The shipped config, unchanged but for its HTTP port: a free one, so nothing else on the machine matters.
+        config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+        http_port = _free_port()
+        config["http_options"]["port"] = http_port
+        config_path = Path(rt, "serve_config.yaml")
+        config_path.write_text(yaml.safe_dump(config))
         proc = subprocess.Popen(
-            [str(Path(sys.executable).with_name("serve")), "run", "serve_config.yaml"],
+            [str(Path(sys.executable).with_name("serve")), "run", str(config_path)],
             # Output to a file: an unread pipe fills up with Ray's forwarded logs and blocks serve run.
             cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
         )
@@ -89,7 +107,7 @@ def test_serve_run_config_smoke(fluxserve_cache: Path, tiny_path: Path) -> None:
                     pytest.fail("serve run exited early:\n" + Path(rt, "serve-run.log").read_text()[-3000:])
                 try:
                     r = requests.post(
-                        "http://127.0.0.1:8000/v1/images/generations",
+                        f"http://127.0.0.1:{http_port}/v1/images/generations",
                         json={"prompt": "a red fox", "seed": 3},
                         headers={"Accept": "image/png"}, timeout=30,
                     )
@@ -149,14 +167,7 @@ def serve_app(tiny_path: Path, tiny_pipe: Any):
         },
     }
     opts = {
-        "lossless": {
-            "autoscaling_config": {
-                "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
-                "target_ongoing_requests": 1, "upscale_delay_s": 0.5, "downscale_delay_s": 3,
-                "look_back_period_s": 2, "metrics_interval_s": 0.5,
-            },
-            "ray_actor_options": {"num_cpus": 1},
-        },
+        "lossless": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
         "high": {"num_replicas": 1, "health_check_period_s": 1, "health_check_timeout_s": 5},
         "Ingress": {"ray_actor_options": {"num_cpus": 0.1}},
     }
@@ -181,10 +192,48 @@ def _post(app: dict, body: Any, raw: bool = False, headers: dict | None = None, 
     return requests.post(url, json=body, headers=headers or {}, timeout=timeout)
 
 
-def _pool_stats(pool: str) -> dict:
+def _pool_stats(pool: str, app: str = APP) -> dict:
+    """Counters summed over every running replica of the pool (each replica answers for itself: ask until every
+    replica id has answered)."""
     from ray import serve
 
-    return serve.get_deployment_handle(pool, app_name=APP).stats.remote().result(timeout_s=30)
+    handle = serve.get_deployment_handle(pool, app_name=app)
+    want = _replicas(pool, app)
+    seen: dict[str, dict] = {}
+    deadline = time.time() + 30
+    while len(seen) < want and time.time() < deadline:
+        s = handle.stats.remote().result(timeout_s=30)
+        seen[s["replica_id"]] = s
+    assert len(seen) == want, f"{len(seen)} of {want} replicas of {pool!r} answered"
+    first = next(iter(seen.values()))
+    summed = {k: sum(s[k] for s in seen.values()) for k in ("batches", "cancelled_batches", "images")}
+    return {"pool": first["pool"], "tp": first["tp"], "replicas": len(seen), **summed}
+
+
+def _replicas(pool: str, app: str = APP) -> int:
+    from ray import serve
+
+    d = serve.status().applications[app].deployments[pool]
+    return int(d.replica_states.get("RUNNING", 0))
+
+
+class _Blocker:
+    """A request of BLOCKER's prompt running in the background: while it denoises, the pool's replica is busy and
+    requests sent meanwhile queue in its @serve.batch, so they are collected together whatever the machine's speed."""
+
+    def __init__(self, app: dict, quality: str = "lossless", steps: int = 3) -> None:
+        self.response = None
+        body = {"prompt": BLOCKER, "size": "64x64", "steps": steps, "seed": 0, "quality": quality}
+        self._thread = threading.Thread(target=lambda: setattr(self, "response", _post(app, body, timeout=120)))
+
+    def __enter__(self) -> "_Blocker":
+        self._thread.start()
+        time.sleep(0.5)  # the blocker reaches the replica (its first step alone takes STEP_DELAY_S)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join(120)
+        assert self.response is not None and self.response.status_code == 200, self.response
 
 
 # --------------------------------------------------------------------------------------------------
@@ -235,7 +284,8 @@ def _png_of(body: dict, i: int = 0) -> bytes:
 def test_lossless_batch_is_invariant_equal_to_solo_requests(serve_app: dict) -> None:
     # n=2 sends two jobs at once: one @serve.batch call collects both; the lossless pool then runs each
     # alone (batch_invariant), so each image equals the same request served alone and the pipeline's.
-    r = _post(serve_app, {"prompt": "two boats", "n": 2, "seed": 100, "size": "128x128", "steps": 3})
+    with _Blocker(serve_app):
+        r = _post(serve_app, {"prompt": "two boats", "n": 2, "seed": 100, "size": "128x128", "steps": 3})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["seeds"] == [100, 101]
@@ -255,8 +305,9 @@ def test_high_pool_batches_with_per_request_seeds(serve_app: dict) -> None:
     import numpy as np
     from PIL import Image
 
-    r = _post(serve_app, {"prompt": "two boats", "n": 2, "seed": 7, "quality": "high", "size": "128x128",
-                          "steps": 3})
+    with _Blocker(serve_app, quality="high"):
+        r = _post(serve_app, {"prompt": "two boats", "n": 2, "seed": 7, "quality": "high", "size": "128x128",
+                              "steps": 3})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["batch_sizes"] == [2, 2] and body["seeds"] == [7, 8]
@@ -402,8 +453,8 @@ def test_deadline_gives_504_and_cancels_the_batch(serve_app: dict, pool: str) ->
     # high runs at TP=2: the replica asks every rank to cancel and the ranks stop at the same step.
     before = _pool_stats(pool)["cancelled_batches"]
     t0 = time.time()
-    # 1024^2 at 60 steps takes minutes on the tiny model: the 1 s deadline expires mid-denoise.
-    r = _post(serve_app, {"prompt": "slow", "size": "1024x1024", "steps": 60, "timeout_s": 1, "quality": pool})
+    # SLOW sleeps STEP_DELAY_S per step: 20 steps take 10 s, so the 1 s deadline expires mid-denoise on any machine.
+    r = _post(serve_app, {"prompt": SLOW, "size": "64x64", "steps": 20, "timeout_s": 1, "quality": pool})
     assert r.status_code == 504, r.text
     assert r.json()["error"]["message"] == (
         f"deadline of 1 s exceeded in pool '{pool}'; the request was cancelled"
@@ -422,24 +473,30 @@ def test_deadline_gives_504_and_cancels_the_batch(serve_app: dict, pool: str) ->
 def test_cancelled_request_does_not_fail_its_batch_neighbour(serve_app: dict) -> None:
     # Same key, queued together in the lossless pool (each runs alone there): the first caller gives up
     # mid-denoise, so its own run stops early, and its neighbour still gets its image (the pipeline's bytes).
-    job = {"prompt": "neighbours", "size": "512x512", "steps": 10}
+    # Both queue behind a blocker, so one @serve.batch call collects them. The quitter (SLOW: 10 steps take 5 s)
+    # gives up after 2.5 s, while queued or mid-denoise; the neighbour's run is untouched.
+    job = {"size": "128x128", "steps": 10}
     before = _pool_stats("lossless")["cancelled_batches"]
 
     async def both() -> list:
         async with httpx.AsyncClient(timeout=90) as c:
             url = serve_app["url"] + "/v1/images/generations"
             return await asyncio.gather(
-                c.post(url, json={**job, "seed": 1, "timeout_s": 0.5}),
-                c.post(url, json={**job, "seed": 2}),
+                c.post(url, json={**job, "prompt": SLOW, "seed": 1, "timeout_s": 2.5}),
+                c.post(url, json={**job, "prompt": "neighbours", "seed": 2}),
             )
 
-    quitter, neighbour = asyncio.run(both())
+    with _Blocker(serve_app):
+        quitter, neighbour = asyncio.run(both())
     assert quitter.status_code == 504, quitter.text
     assert neighbour.status_code == 200, neighbour.text
     assert neighbour.json()["queued_together"] == [2]
-    direct = _direct_png(serve_app["pipe"], prompt="neighbours", height=512, width=512, steps=10, guidance=3.5,
+    direct = _direct_png(serve_app["pipe"], prompt="neighbours", height=128, width=128, steps=10, guidance=3.5,
                          seed=2, quality="lossless")
     assert _md5(_png_of(neighbour.json())) == _md5(direct)
+    deadline = time.time() + 20
+    while time.time() < deadline and _pool_stats("lossless")["cancelled_batches"] == before:
+        time.sleep(0.5)
     assert _pool_stats("lossless")["cancelled_batches"] == before + 1
 
 
@@ -448,29 +505,52 @@ def test_cancelled_request_does_not_fail_its_batch_neighbour(serve_app: dict) ->
 # --------------------------------------------------------------------------------------------------
 
 
-def _replicas(pool: str) -> int:
+AUTOSCALE_APP = "autoscale"
+
+
+@pytest.fixture
+def autoscale_app(serve_app: dict):
+    """An app of its own whose lossless pool autoscales 1..2 (short delays); deleted after the test."""
     from ray import serve
 
-    d = serve.status().applications[APP].deployments[pool]
-    return int(d.replica_states.get("RUNNING", 0))
+    from deployments.app import build_app_with_options
+
+    args = {**serve_app["args"], "pools": {"lossless": {"tp": 1, "cpu_threads": 1},
+                                          "high": {"tp": 1, "cpu_threads": 1}}}
+    opts = {
+        "lossless": {
+            "autoscaling_config": {
+                "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
+                "target_ongoing_requests": 1, "upscale_delay_s": 0.5, "downscale_delay_s": 3,
+                "look_back_period_s": 2, "metrics_interval_s": 0.5,
+            },
+            "ray_actor_options": {"num_cpus": 1},
+        },
+        "high": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}},
+        "Ingress": {"ray_actor_options": {"num_cpus": 0.1}},
+    }
+    serve.run(build_app_with_options(args, opts), name=AUTOSCALE_APP, route_prefix="/" + AUTOSCALE_APP)
+    yield {**serve_app, "url": serve_app["url"] + "/" + AUTOSCALE_APP}
+    serve.delete(AUTOSCALE_APP)
 
 
-def test_lossless_pool_scales_up_under_load_and_back(serve_app: dict) -> None:
-    assert _replicas("lossless") == 1
+def test_lossless_pool_scales_up_under_load_and_back(autoscale_app: dict) -> None:
+    assert _replicas("lossless", AUTOSCALE_APP) == 1
     stop = time.time() + 60
     seen_two = False
 
     async def client(c: httpx.AsyncClient) -> None:
         nonlocal seen_two
         while not seen_two and time.time() < stop:
-            r = await c.post(serve_app["url"] + "/v1/images/generations",
-                             json={"prompt": "load", "size": "256x256", "steps": 8})
+            # SLOW keeps each request ~1 s in the pool, so 6 clients hold ~6 ongoing requests on any machine.
+            r = await c.post(autoscale_app["url"] + "/v1/images/generations",
+                             json={"prompt": SLOW, "size": "64x64", "steps": 2})
             assert r.status_code == 200, r.text
 
     async def watcher() -> None:
         nonlocal seen_two
         while not seen_two and time.time() < stop:
-            seen_two = _replicas("lossless") == 2
+            seen_two = _replicas("lossless", AUTOSCALE_APP) == 2
             await asyncio.sleep(0.5)
 
     async def drive() -> None:
@@ -481,10 +561,13 @@ def test_lossless_pool_scales_up_under_load_and_back(serve_app: dict) -> None:
     asyncio.run(drive())
     assert seen_two, "lossless pool never reached 2 replicas under load"
     up_s = time.time() - t0
+    assert _pool_stats("lossless", AUTOSCALE_APP)["replicas"] == 2
     deadline = time.time() + 40
-    while time.time() < deadline and _replicas("lossless") != 1:
+    while time.time() < deadline and _replicas("lossless", AUTOSCALE_APP) != 1:
         time.sleep(0.5)
-    assert _replicas("lossless") == 1, "lossless pool did not scale back to 1"
+    assert _replicas("lossless", AUTOSCALE_APP) == 1, "lossless pool did not scale back to 1"
+    # The session app's pools never moved.
+    assert _replicas("lossless") == 1 and _replicas("high") == 1
     print(f"scaled 1->2 in {up_s:.1f}s")
 
 
@@ -504,7 +587,7 @@ def test_dead_high_pool_gives_5xx_json_then_recovers(serve_app: dict) -> None:
     async def scenario() -> tuple:
         async with httpx.AsyncClient(timeout=90) as c:
             url = serve_app["url"] + "/v1/images/generations"
-            slow = asyncio.create_task(c.post(url, json={"prompt": "x", "quality": "high", "size": "512x512",
+            slow = asyncio.create_task(c.post(url, json={"prompt": SLOW, "quality": "high", "size": "64x64",
                                                          "steps": 30}))
             await asyncio.sleep(1.0)
             ray.kill(victim, no_restart=True)
