@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model.loading import load_pipeline  # noqa: E402
+from model.loading import diffusers_reference, load_pipeline  # noqa: E402
 from model.metrics import psnr, ssim  # noqa: E402
 from model.pipeline import GenerationRequest, md5, run_flux_pipeline  # noqa: E402
 
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/e2e.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
 
     build_s, ours = timed(lambda: load_pipeline(args.model, device=args.device, dtype=dtype))
-    ref_build_s, reference = timed(ours.diffusers_reference)
+    ref_build_s, reference = timed(lambda: diffusers_reference(ours))
     gib = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     print(f"built {args.model}: ours {build_s:.1f}s, reference {ref_build_s:.1f}s; {gib:.1f} GiB allocated",
           flush=True)

@@ -11,9 +11,10 @@ from typing import Any
 
 from ray.serve import Application
 
-from deployments.config import QUALITIES, AppArgs, PoolArgs
+from deployments.config import AppArgs, PoolArgs
 from deployments.ingress import Ingress
 from deployments.replica import FluxReplica
+from model.request import QUALITIES
 
 
 def model_name(args: AppArgs) -> str:

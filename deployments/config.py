@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-QUALITIES: tuple[str, ...] = ("lossless", "high")
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+from deployments.errors import BadRequest
+from model.request import DTYPES, QUALITIES, SizeError
+from model.request import parse_size as parse_request_size
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,22 @@ class Limits:
     max_n: int = 4
     max_prompt_chars: int = 2000
     max_guidance: float = 30.0
+
+    def check_size(self, size: str) -> tuple[int, int]:
+        """A request's "WxH" -> (height, width) within these limits; BadRequest("size", reason) otherwise."""
+        try:
+            height, width = parse_request_size(size)
+        except SizeError as exc:
+            raise BadRequest("size", str(exc)) from None
+        if width % self.size_multiple or height % self.size_multiple:
+            raise BadRequest("size", f"size {size}: width and height must be multiples of {self.size_multiple}")
+        if min(width, height) < self.min_side:
+            raise BadRequest("size", f"size {size} is too small: each side must be >= {self.min_side}")
+        if max(width, height) > self.max_side:
+            raise BadRequest("size", f"size {size} is too large: each side must be <= {self.max_side}")
+        if width * height > self.max_pixels:
+            raise BadRequest("size", f"size {size} is too large: at most {self.max_pixels} pixels")
+        return height, width
 
 
 @dataclass(frozen=True)
@@ -118,11 +135,8 @@ class AppArgs:
             raise ValueError("args.request_timeout_s must be > 0")
         # default_size is what a request without `size` gets: check it against the same limits a request's size
         # meets, now, rather than answer every such request with a 400.
-        from deployments.schema import BadRequest
-        from deployments.schema import parse_size as parse_request_size
-
         try:
-            parse_request_size(str(args.default_size), args)
+            args.limits.check_size(str(args.default_size))
         except BadRequest as exc:
             raise ValueError(f"args.default_size: {exc.message}") from None
         return args
@@ -151,14 +165,11 @@ def compile_warmup_plan(args: AppArgs, pool: str) -> tuple[list[tuple[int, int]]
 
 
 def parse_size(size: str, where: str = "size") -> tuple[int, int]:
-    """"WxH" -> (height, width); ValueError with `where` in the message otherwise."""
+    """A config "WxH" -> (height, width); ValueError naming `where` otherwise."""
     try:
-        w, h = (int(v) for v in str(size).lower().split("x"))
-    except ValueError:
-        raise ValueError(f"{where}: expected 'WxH', got {size!r}") from None
-    if w < 16 or h < 16 or w % 16 or h % 16:
-        raise ValueError(f"{where}: sides must be positive multiples of 16, got {size!r}")
-    return h, w
+        return parse_request_size(str(size), where)
+    except SizeError as exc:
+        raise ValueError(f"{where}: expected 'WxH' ({exc})") from None
 
 
 def _check_compile(pool: PoolArgs, name: str) -> None:

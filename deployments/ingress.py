@@ -22,9 +22,10 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from deployments.config import QUALITIES, AppArgs
-from deployments.replica import GenerationFailed, PoolUnavailable
-from deployments.schema import BadRequest, ImageRequest, ImageResponse, validate
+from deployments.config import AppArgs
+from deployments.errors import BadRequest, GenerationFailed, PoolUnavailable
+from deployments.schema import ImageRequest, ImageResponse, validate
+from model.request import QUALITIES
 
 logger = logging.getLogger("ray.serve")
 

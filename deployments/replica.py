@@ -1,9 +1,7 @@
 """FluxReplica: one replica of a quality pool (lossless or high).
 
-tp == 1: the pipeline runs in this process (in a worker thread, so the event loop keeps accepting
-requests and answering health checks while a batch denoises).
-tp > 1: this actor is a coordinator in bundle 0 of its placement group and drives one TPWorker
-actor per rank (deployments/tp_group.py).
+The replica batches and accounts; its engine (deployments/engine.py) runs the batches: in this process at tp == 1,
+on one actor per rank at tp > 1. The replica never looks at `tp` itself.
 
 Requests arrive one image at a time (`generate(job)`); `@serve.batch` collects them and the batch
 handler runs one pipeline call per group of compatible jobs (same size/steps/guidance/quality), so
@@ -14,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,41 +19,21 @@ from typing import Any
 
 from ray import serve
 
-from deployments.config import COMPILE_WARMUP_STEPS, AppArgs, compile_warmup_plan
-from deployments.schema import Job
+from deployments.config import AppArgs
+from deployments.engine import make_engine
+from deployments.errors import GenerationFailed, PoolUnavailable
+from model.pipeline import GenerationCancelled
+from model.request import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
 
-class PoolUnavailable(RuntimeError):
-    """The pool cannot serve right now (a TP rank died, the replica is shutting down): a 503."""
-
-
-class GenerationFailed(RuntimeError):
-    """The pipeline raised while generating: a 500 with the reason."""
-
-
 @dataclass
 class _Ticket:
-    job: Job
+    job: GenerationRequest
     # Set by generate() when its caller gave up (ingress timeout, client gone): the batch handler's
     # should_stop() stops a group once every ticket in it is cancelled.
     cancelled: threading.Event = field(default_factory=threading.Event)
-
-
-def _torch_dtype(name: str) -> Any:
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def _assigned_cpus() -> int:
-    import ray
-
-    try:
-        return int(ray.get_runtime_context().get_assigned_resources().get("CPU", 0))
-    except Exception:
-        return 0
 
 
 @serve.deployment(max_ongoing_requests=8)
@@ -71,47 +48,16 @@ class FluxReplica:
         self._cancelled_batches = 0
         self._images = 0
         self._busy = asyncio.Lock()
-        self._tp = None
-        self._pipe = None
         # The batch queue is per process (one replica per process): configure it from the YAML args.
         self._batched.set_max_batch_size(self.args.max_batch_size)
         wait = self.pool_args.batch_wait_timeout_s
         if wait is None:
             wait = 0.0 if self.pool_args.batch_invariant else self.args.batch_wait_timeout_s
         self._batched.set_batch_wait_timeout_s(wait)
-        if self.pool_args.tp == 1:
-            import torch
-
-            from model.loading import load_pipeline
-
-            threads = self.pool_args.cpu_threads or _assigned_cpus() or os.cpu_count() or 1
-            torch.set_num_threads(int(threads))
-            self._pipe = load_pipeline(
-                self.args.model, device=self.args.device, dtype=_torch_dtype(self.args.dtype)
-            )
-            self._pipe.high_fast_norm = self.pool_args.fast_norm
-            if self.pool_args.compile:
-                self._warm_up_compile()
-            if self.pool_args.cuda_graphs:
-                # Captured lazily: the first request of each batch size / resolution pays two eager steps and the
-                # capture, every later step replays.
-                self._pipe.enable_cuda_graphs()
-        else:
-            from deployments.tp_group import TPGroup
-
-            self._tp = TPGroup(self.args, self.pool_args)
-            self._tp.start()
+        self.engine = make_engine(self.args, pool)
         logger.info("FluxReplica pool=%s tp=%d ready", pool, self.pool_args.tp)
 
-    def _warm_up_compile(self) -> None:
-        """Compile the high pool's blocks before the replica reports ready, for every size and batch size it
-        can be asked for (graphs are shape-specialised), so no request pays compilation."""
-        sizes, batch_sizes = compile_warmup_plan(self.args, self.pool)
-        seconds = self._pipe.enable_compile(sizes, steps=COMPILE_WARMUP_STEPS, batch_sizes=batch_sizes)
-        logger.info("FluxReplica pool=%s: compiled for sizes %s, batch sizes %s in %.1f s", self.pool, sizes,
-                    batch_sizes, seconds)
-
-    async def generate(self, job: Job) -> dict[str, Any]:
+    async def generate(self, job: GenerationRequest) -> dict[str, Any]:
         """Generate one image; returns png bytes, seed, timings, pool, batch size."""
         ticket = _Ticket(job)
         try:
@@ -144,20 +90,7 @@ class FluxReplica:
 
     async def _run_chunk(self, chunk: list[_Ticket], queued_together: int) -> list[dict[str, Any]]:
         """One pipeline call for compatible tickets; stops between steps once all its callers are gone."""
-        from model.pipeline import GenerationCancelled, GenerationRequest
-
-        requests = [
-            GenerationRequest(
-                prompt=t.job.prompt,
-                height=t.job.height,
-                width=t.job.width,
-                steps=t.job.steps,
-                guidance=t.job.guidance,
-                seed=t.job.seed,
-                quality=t.job.quality,
-            )
-            for t in chunk
-        ]
+        requests = [t.job for t in chunk]
 
         def should_stop() -> bool:
             return all(t.cancelled.is_set() for t in chunk)
@@ -166,10 +99,7 @@ class FluxReplica:
         try:
             async with self._busy:  # one pipeline call at a time per replica
                 t0 = time.perf_counter()
-                if self._tp is None:
-                    results = await asyncio.to_thread(self._pipe.generate, requests, should_stop=should_stop)
-                else:
-                    results = await self._tp.generate(requests, should_stop)
+                results = await self.engine.generate(requests, should_stop)
         except GenerationCancelled:
             self._cancelled_batches += 1
             raise
@@ -204,8 +134,7 @@ class FluxReplica:
             "images": self._images,
             "replica_id": serve.get_replica_context().replica_id.unique_id,
             # captures / replays / eager fallbacks of the CUDA-graph cache (None: graphs off)
-            "cuda_graphs": None if self._pipe is None or self._pipe.step_graphs is None
-            else self._pipe.step_graphs.stats(),
+            **self.engine.stats(),
         }
 
     async def actor_names(self) -> dict[str, Any]:
@@ -216,14 +145,14 @@ class FluxReplica:
         return {
             "namespace": ctx.namespace,
             "replica": ctx.get_actor_name(),
-            "ranks": self._tp.actor_names() if self._tp is not None else [],
+            "ranks": self.engine.actor_names(),
         }
 
     async def check_health(self) -> None:
         """A dead rank makes the replica unhealthy so Serve replaces it."""
-        if self._tp is not None:
-            await self._tp.check_health()
+        await self.engine.check_health()
 
     def __del__(self) -> None:
-        if self._tp is not None:
-            self._tp.shutdown()
+        engine = getattr(self, "engine", None)  # absent if __init__ failed before it was made
+        if engine is not None:
+            engine.shutdown()

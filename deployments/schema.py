@@ -7,17 +7,17 @@ so they can come from serve_config.yaml.
 
 from __future__ import annotations
 
-import re
 import secrets
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
-from deployments.config import QUALITIES, AppArgs
+from deployments.config import AppArgs
+from deployments.errors import BadRequest
+from model.request import QUALITIES, SEED_LIMIT, GenerationRequest, format_size
 
-SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed accepts 64-bit seeds; stay signed for JSON clients
-_SIZE_RE = re.compile(r"^([0-9]{1,6})x([0-9]{1,6})$")
+SEED_MAX = SEED_LIMIT - 1
 
 
 class ImageRequest(BaseModel):
@@ -65,55 +65,13 @@ class ImageResponse(BaseModel):
     queued_together: list[int]  # per image: compatible requests collected in its @serve.batch call
 
 
-class BadRequest(Exception):
-    """An invalid request: becomes a 400 with `param` and `message`."""
-
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
-
-
-@dataclass(frozen=True)
-class Job:
-    """One image for one pool replica (a request with n images becomes n jobs, seeds seed..seed+n-1)."""
-
-    prompt: str
-    height: int
-    width: int
-    steps: int
-    guidance: float
-    seed: int
-    quality: str
-
-    def batch_key(self) -> tuple[int, int, int, float, str]:
-        """Only jobs with equal keys may share one pipeline.generate call."""
-        return (self.height, self.width, self.steps, self.guidance, self.quality)
-
-
 @dataclass(frozen=True)
 class Validated:
-    jobs: list[Job]
+    """An accepted request: one GenerationRequest per image (seeds seed .. seed + n - 1), its deadline and size."""
+
+    jobs: list[GenerationRequest]
     timeout_s: float
     size: str
-
-
-def parse_size(size: str, args: AppArgs) -> tuple[int, int]:
-    """'WxH' -> (height, width) within the configured limits."""
-    lim = args.limits
-    m = _SIZE_RE.match(size)
-    if not m:
-        raise BadRequest("size", f'size must be "WxH" with integer W and H (e.g. "256x256"), got {size!r}')
-    width, height = int(m.group(1)), int(m.group(2))
-    if width % lim.size_multiple or height % lim.size_multiple:
-        raise BadRequest("size", f"size {size}: width and height must be multiples of {lim.size_multiple}")
-    if min(width, height) < lim.min_side:
-        raise BadRequest("size", f"size {size} is too small: each side must be >= {lim.min_side}")
-    if max(width, height) > lim.max_side:
-        raise BadRequest("size", f"size {size} is too large: each side must be <= {lim.max_side}")
-    if width * height > lim.max_pixels:
-        raise BadRequest("size", f"size {size} is too large: at most {lim.max_pixels} pixels")
-    return height, width
 
 
 def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
@@ -136,7 +94,7 @@ def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
     if not 0.0 <= guidance <= lim.max_guidance:
         raise BadRequest("guidance", f"guidance must be between 0 and {lim.max_guidance}, got {guidance}")
     size = args.default_size if req.size is None else req.size
-    height, width = parse_size(size, args)
+    height, width = lim.check_size(size)
     if req.seed is not None and not 0 <= req.seed <= SEED_MAX - (req.n - 1):
         raise BadRequest("seed", f"seed must be between 0 and {SEED_MAX - (req.n - 1)}, got {req.seed}")
     seed = secrets.randbelow(2**31) if req.seed is None else req.seed
@@ -150,6 +108,6 @@ def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
             )
         timeout_s = float(req.timeout_s)
     jobs = [
-        Job(req.prompt, height, width, steps, guidance, seed + i, req.quality) for i in range(req.n)
+        GenerationRequest(req.prompt, height, width, steps, guidance, seed + i, req.quality) for i in range(req.n)
     ]
-    return Validated(jobs=jobs, timeout_s=timeout_s, size=f"{width}x{height}")
+    return Validated(jobs=jobs, timeout_s=timeout_s, size=format_size(height, width))

@@ -11,10 +11,10 @@ from typing import Any
 
 _EXPORTS = {
     "FluxServePipeline": "model.pipeline",
-    "GenerationRequest": "model.pipeline",
+    "GenerationRequest": "model.request",
     "GenerationResult": "model.pipeline",
     "GenerationCancelled": "model.pipeline",
-    "QUALITIES": "model.pipeline",
+    "QUALITIES": "model.request",
     "load_pipeline": "model.loading",
     "ModelLoadError": "model.loading",
     "ensure_preset": "model.presets",

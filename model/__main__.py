@@ -16,28 +16,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
+from model.request import DTYPES, QUALITIES, GenerationRequest, dtype_name, parse_size, validate_batch
 
-
-def _size(text: str) -> tuple[int, int]:
-    try:
-        w, h = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size must look like 256x256, got {text!r}") from None
-    return w, h
+_DTYPE_CHOICES = sorted({*DTYPES, "fp32", "bf16", "fp16"})
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="a red fox in the snow, watercolor")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--size", type=_size, default=(256, 256), help="WxH, multiples of 16 (default 256x256)")
+    p.add_argument("--size", default="256x256", help="WxH, multiples of 16 (default 256x256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--guidance", type=float, default=3.5)
     p.add_argument("--model", default="tiny", help="preset name (tiny, tiny-schnell, flux-dev-random, "
                    "flux-schnell-random) or a local diffusers FLUX.1 folder (default: tiny)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+    p.add_argument("--dtype", default=None, choices=_DTYPE_CHOICES,
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -46,21 +39,19 @@ def _device_dtype(args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    name = _DTYPES[args.dtype] if args.dtype else ("bfloat16" if device.type == "cuda" else "float32")
+    name = dtype_name(args.dtype) if args.dtype else ("bfloat16" if device.type == "cuda" else "float32")
     return device, getattr(torch, name)
 
 
-def _request(args: argparse.Namespace, quality: str) -> Any:
-    from model.pipeline import GenerationRequest
-
-    w, h = args.size
+def _request(args: argparse.Namespace, quality: str) -> GenerationRequest:
+    h, w = parse_size(args.size)  # a SizeError is a ValueError: exit status 2 with the reason
     return GenerationRequest(prompt=args.prompt, height=h, width=w, steps=args.steps, guidance=args.guidance,
                              seed=args.seed, quality=quality)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from model.loading import load_pipeline
-    from model.pipeline import md5, validate_batch
+    from model.pipeline import md5
 
     req = _request(args, args.quality)
     validate_batch([req])  # fail on bad flags before spending seconds on loading
@@ -81,9 +72,10 @@ def verify(pipe: Any, request: Any, progress: bool = False) -> dict[str, Any]:
     import torch
 
     from model.metrics import psnr, ssim
+    from model.loading import diffusers_reference
     from model.pipeline import md5, run_flux_pipeline
 
-    reference = pipe.diffusers_reference()
+    reference = diffusers_reference(pipe)
     t0 = time.perf_counter()
     ref_lat, ref_png = run_flux_pipeline(reference, [request], progress=progress)
     t1 = time.perf_counter()
@@ -112,7 +104,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
     from model.loading import load_pipeline
-    from model.pipeline import validate_batch
 
     req = _request(args, "lossless")
     validate_batch([req])
@@ -124,7 +115,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(json.dumps(res, indent=2))
     else:
         ok = res["lossless_latents_equal"] and res["lossless_png_equal"]
-        print(f"model {args.model} on {device} ({res['dtype']}), {args.size[0]}x{args.size[1]}, {args.steps} steps, "
+        print(f"model {args.model} on {device} ({res['dtype']}), {args.size}, {args.steps} steps, "
               f"seed {args.seed}")
         print(f"{'':10} {'latents md5':34} {'png md5':34} seconds")
         for k in ("reference", "lossless", "high"):
@@ -145,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate one image to a PNG file")
     _common(g)
-    g.add_argument("--quality", choices=("lossless", "high"), default="lossless")
+    g.add_argument("--quality", choices=QUALITIES, default="lossless")
     g.add_argument("--out", required=True, help="PNG file to write")
     v = sub.add_parser("verify", help="reference vs lossless vs high, side by side")
     _common(v)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from model.pipeline import FluxServePipeline
+from model import presets
+from model.pipeline import FluxServePipeline
 
 # Components FluxPipeline needs, and the files each must have (any one name of a group suffices).
 _REQUIRED: dict[str, list[tuple[str, ...]]] = {
@@ -133,8 +133,6 @@ def load_flux_pipeline(folder: str | os.PathLike[str], transformer: torch.nn.Mod
 def load_pipeline(path_or_preset: str | os.PathLike[str] = "tiny", device: str | torch.device = "cpu",
                   dtype: torch.dtype = torch.float32) -> "FluxServePipeline":
     """A FluxServePipeline from a local diffusers FLUX.1 folder or a preset name, with our transformer."""
-    from model import presets
-    from model.pipeline import FluxServePipeline
 
     name = str(path_or_preset)
     if name in presets.PRESETS and not Path(name).exists():
@@ -155,9 +153,7 @@ def _in_memory_preset(name: str, device: str | torch.device, dtype: torch.dtype)
     our class (strict: same names) and drop diffusers' copy."""
     from diffusers import FluxPipeline
 
-    from model import presets
     from model.flux import FluxTransformer
-    from model.pipeline import FluxServePipeline
 
     components = presets.build_components(name, device, dtype)
     reference = components["transformer"]
@@ -168,3 +164,25 @@ def _in_memory_preset(name: str, device: str | torch.device, dtype: torch.dtype)
     components["transformer"] = ours.eval()
     pipe = FluxPipeline(**components)
     return FluxServePipeline(pipe, source=name, folder=None)
+
+
+def diffusers_reference(pipe: FluxServePipeline) -> Any:
+    """A stock diffusers FluxPipeline with diffusers' own FluxTransformer2DModel and the same weights.
+
+    From a folder, every component is loaded again by diffusers itself (an independent load path). For an
+    in-memory preset there is no folder: the reference shares the text encoders, VAE and tokenizers, and gets
+    a FluxTransformer2DModel holding a copy of our transformer's weights.
+    """
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    if pipe.folder is not None:
+        transformer = load_transformer(pipe.folder, pipe.dtype, cls=FluxTransformer2DModel)
+        return load_flux_pipeline(pipe.folder, transformer, pipe.device, pipe.dtype)
+    # no float32 detour: 24 GB vs 48 GB at full size
+    with torch.device(pipe.device), presets.default_dtype(pipe.dtype):
+        transformer = FluxTransformer2DModel.from_config(pipe.transformer.config)
+    transformer.load_state_dict(pipe.transformer.state_dict(), strict=True)
+    components = dict(pipe.pipe.components)
+    components["transformer"] = transformer.eval()
+    components["scheduler"] = type(pipe.pipe.scheduler).from_config(pipe.pipe.scheduler.config)
+    return FluxPipeline(**components)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from model import faults
+from model.request import GenerationRequest, Quality, validate_batch
 
 if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request types without needing torch
     import torch
@@ -26,7 +27,6 @@ if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request t
 
 logger = logging.getLogger(__name__)
 
-QUALITIES = ("lossless", "high")
 # T5 tokens per prompt, as diffusers uses each model: FluxPipeline's default (512, also its maximum) for FLUX.1-dev;
 # FLUX.1-schnell (no guidance embedding) is documented and run with 256. A tokenizer with a smaller
 # model_max_length (the tiny presets) lowers it further.
@@ -35,22 +35,11 @@ _T5_TOKENS_SCHNELL = 256
 
 
 @dataclass
-class GenerationRequest:
-    prompt: str
-    height: int = 256
-    width: int = 256
-    steps: int = 4
-    guidance: float = 3.5
-    seed: int = 0
-    quality: str = "lossless"
-
-
-@dataclass
 class GenerationResult:
     png: bytes
     latents: torch.Tensor  # final latents of this request, unpacked [16, H/8, W/8], on the CPU
     seed: int
-    quality: str
+    quality: Quality
     mounted_sites: int  # GELU sites that were mounted while this request ran (0: ran unfused)
     timings: dict[str, float] = field(default_factory=dict)
     fast_norm_sites: int = 0  # LayerNorm+modulate sites on the fast (not bit-exact) kernel while this ran
@@ -58,31 +47,6 @@ class GenerationResult:
 
 class GenerationCancelled(RuntimeError):
     """`should_stop()` returned True between two denoising steps."""
-
-
-def validate_batch(requests: list[GenerationRequest]) -> None:
-    """Raise ValueError unless `requests` is a non-empty, valid batch whose requests share every batch-level knob."""
-    if not requests:
-        raise ValueError("empty batch")
-    for r in requests:
-        if not isinstance(r.prompt, str):
-            raise ValueError("prompt must be a string")
-        if r.quality not in QUALITIES:
-            raise ValueError(f"quality must be one of {QUALITIES}, got {r.quality!r}")
-        for name in ("height", "width"):
-            v = getattr(r, name)
-            if not isinstance(v, int) or v < 16 or v % 16:
-                raise ValueError(f"{name} must be a positive multiple of 16, got {v!r}")
-        if not isinstance(r.steps, int) or r.steps < 1:
-            raise ValueError(f"steps must be a positive integer, got {r.steps!r}")
-        if not isinstance(r.seed, int) or not 0 <= r.seed < 2**63:
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {r.seed!r}")
-    first = requests[0]
-    for r in requests[1:]:
-        for name in ("quality", "height", "width", "steps", "guidance"):
-            if getattr(r, name) != getattr(first, name):
-                raise ValueError(f"all requests of a batch must share {name}: {getattr(first, name)!r} vs "
-                                 f"{getattr(r, name)!r}")
 
 
 def png_bytes(image: Any) -> bytes:
@@ -340,28 +304,3 @@ class FluxServePipeline:
         import torch
 
         return self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
-
-    def diffusers_reference(self) -> Any:
-        """A stock diffusers FluxPipeline with diffusers' own FluxTransformer2DModel and the same weights.
-
-        From a folder, every component is loaded again by diffusers itself (an independent load path). For an
-        in-memory preset there is no folder: the reference shares the text encoders, VAE and tokenizers, and gets
-        a FluxTransformer2DModel holding a copy of our transformer's weights.
-        """
-        import torch
-        from diffusers import FluxPipeline, FluxTransformer2DModel
-
-        if self.folder is not None:
-            from model.loading import load_flux_pipeline, load_transformer
-
-            transformer = load_transformer(self.folder, self.dtype, cls=FluxTransformer2DModel)
-            return load_flux_pipeline(self.folder, transformer, self.device, self.dtype)
-        from model.presets import default_dtype
-
-        with torch.device(self.device), default_dtype(self.dtype):  # no float32 detour: 24 GB vs 48 GB at full size
-            transformer = FluxTransformer2DModel.from_config(self.transformer.config)
-        transformer.load_state_dict(self.transformer.state_dict(), strict=True)
-        components = dict(self.pipe.components)
-        components["transformer"] = transformer.eval()
-        components["scheduler"] = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
-        return FluxPipeline(**components)

@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from deployments.config import AppArgs
-from model.loading import load_pipeline
+from model.loading import diffusers_reference, load_pipeline
 from model.pipeline import FluxServePipeline, GenerationRequest, run_flux_pipeline
 
 SIZE = 64
@@ -100,7 +100,7 @@ def test_lossless_after_compiled_high_is_still_bit_identical_to_diffusers(compil
     finally:
         spy.close()
     assert spy.seen == [False, False]
-    reference = pipe.diffusers_reference()
+    reference = diffusers_reference(pipe)
     reference.set_progress_bar_config(disable=True)
     ref_latents, ref_pngs = run_flux_pipeline(reference, [_req("a fox", 21, quality="lossless")])
     assert torch.equal(ours.latents, ref_latents[0])
@@ -167,7 +167,7 @@ def test_high_pool_compile_warm_up_plan() -> None:
 # In a subprocess: importing Ray in this process would fix its auth mode before tests/test_serve.py sets it.
 _REPLICA_SCRIPT = """
 from deployments.config import COMPILE_WARMUP_STEPS, AppArgs
-from deployments.replica import FluxReplica
+from deployments.engine import LocalEngine
 
 calls = []
 
@@ -176,12 +176,11 @@ class Pipe:
         calls.append((sizes, steps, batch_sizes))
         return 1.5
 
-cls = FluxReplica.func_or_class
-replica = cls.__new__(cls)
-replica.args = AppArgs.parse({"max_batch_size": 2, "pools": {"high": {"compile": True}}})
-replica.pool = "high"
-replica._pipe, replica._tp = Pipe(), None
-replica._warm_up_compile()
+engine = LocalEngine.__new__(LocalEngine)
+engine.args = AppArgs.parse({"max_batch_size": 2, "pools": {"high": {"compile": True}}})
+engine.pool = "high"
+engine.pipe = Pipe()
+engine.warm_up_compile()
 assert calls == [([(256, 256)], COMPILE_WARMUP_STEPS, [1, 2])], calls
 print("warm-up plan ok")
 """

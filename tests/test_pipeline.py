@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernels
-from model.loading import ModelLoadError, load_pipeline
+from model.loading import ModelLoadError, diffusers_reference, load_pipeline
 from model.pipeline import (
     FluxServePipeline,
     GenerationCancelled,
@@ -172,7 +172,7 @@ def test_t5_length_is_stock_diffusers_default(fluxserve_cache, tmp_path, monkeyp
 def test_diffusers_reference_matches_lossless(tiny_pipe) -> None:
     from diffusers import FluxTransformer2DModel
 
-    ref = tiny_pipe.diffusers_reference()
+    ref = diffusers_reference(tiny_pipe)
     assert type(ref.transformer) is FluxTransformer2DModel
     req = GenerationRequest("an old library", steps=2, seed=5)
     latents, pngs = run_flux_pipeline(ref, [req])
@@ -245,7 +245,7 @@ def test_batch_of_two_equals_each_request_alone(tiny_pipe) -> None:
     if all(equal):
         assert all(x.png == y.png for x, y in zip(batched, alone))
         return
-    ref = tiny_pipe.diffusers_reference()
+    ref = diffusers_reference(tiny_pipe)
     ref_batched, _ = run_flux_pipeline(ref, [a, b])
     ref_alone = [run_flux_pipeline(ref, [r])[0][0] for r in (a, b)]
     for ours_b, ours_a, theirs_b, theirs_a in zip(batched, alone, ref_batched, ref_alone):

@@ -129,14 +129,14 @@ def test_in_memory_preset_path_with_a_tiny_spec(monkeypatch) -> None:
     from diffusers import FluxTransformer2DModel
 
     from model.flux import FluxTransformer
-    from model.loading import load_pipeline
+    from model.loading import diffusers_reference, load_pipeline
     from model.pipeline import GenerationRequest, run_flux_pipeline
 
     spec = dataclasses.replace(presets.PRESETS["tiny"], name="tiny-in-memory", on_disk=False)
     monkeypatch.setitem(presets.PRESETS, "tiny-in-memory", spec)
     pipe = load_pipeline("tiny-in-memory", device="cpu", dtype=torch.float32)
     assert pipe.folder is None and type(pipe.transformer) is FluxTransformer
-    ref = pipe.diffusers_reference()
+    ref = diffusers_reference(pipe)
     assert type(ref.transformer) is FluxTransformer2DModel
     assert ref.vae is pipe.pipe.vae and ref.text_encoder_2 is pipe.pipe.text_encoder_2
     a, b = pipe.transformer.state_dict(), ref.transformer.state_dict()

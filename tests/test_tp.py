@@ -85,7 +85,7 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
     from diffusers import FluxTransformer2DModel
 
     import kernels.gelu as kgelu
-    from model.loading import load_transformer
+    from model.loading import diffusers_reference, load_transformer
     from tp import layers as tp_layers
     from tp.layers import ColumnParallelLinear, RowParallelLinear
     from tp.shard import gather_full_state_dict, mount_all_ranks, shard_flux_transformer
@@ -105,7 +105,7 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
     # The same batch through stock diffusers (its own transformer class and loader), sharded the same way.
     from model.pipeline import run_flux_pipeline
 
-    reference = worker.pipe.diffusers_reference()
+    reference = diffusers_reference(worker.pipe)
     shard_flux_transformer(reference.transformer, rank, WORLD, group)
     res["eager_pipeline"] = run_flux_pipeline(reference, _requests("lossless"))
     del reference

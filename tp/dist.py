@@ -18,8 +18,9 @@ DEFAULT_PORT = 29517
 DEFAULT_TIMEOUT_S = 120.0
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(device: str | torch.device) -> str:
+    """The one backend rule: NCCL for ranks on CUDA devices (one GPU per rank), gloo on the CPU."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -40,15 +41,15 @@ def init_tp(
 ) -> dist.ProcessGroup:
     """Join the tensor-parallel group as `rank` of `world_size` and return it (the default/world group).
 
-    backend: None -> NCCL when CUDA is available, else gloo. device: the CUDA device this rank computes on (NCCL
-    only; binds the communicator to it eagerly so a bad rendezvous fails here, not at the first collective).
+    backend: None -> `default_backend(device)` (gloo without a device). device: the CUDA device this rank computes
+    on (NCCL only; binds the communicator to it eagerly so a bad rendezvous fails here, not at the first collective).
     Raises (torch's DistStoreError / RuntimeError) if the other ranks do not join within `timeout_s`.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside [0, {world_size})")
     if dist.is_initialized():
         raise RuntimeError("a default process group already exists in this process; call shutdown_tp() first")
-    backend = backend or default_backend()
+    backend = backend or default_backend(device if device is not None else "cpu")
     kwargs = {}
     if backend == "nccl" and device is not None:
         kwargs["device_id"] = torch.device(device)

@@ -23,16 +23,10 @@ import torch
 import torch.distributed as dist
 
 from kernels.gelu import unmount
+from model.request import GenerationRequest, torch_dtype
 
 from .dist import DEFAULT_PORT, DEFAULT_TIMEOUT_S, default_backend, init_tp, shutdown_tp
 from .shard import check_replicas_identical, mount_all_ranks, shard_flux_transformer
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    return dtype if isinstance(dtype, torch.dtype) else _DTYPES[str(dtype).removeprefix("torch.")]
-
 
 class TPWorker:
     def __init__(
@@ -52,9 +46,9 @@ class TPWorker:
         self.rank, self.world_size = rank, world_size
         self.model_path_or_preset = model_path_or_preset
         self.device = device
-        self.dtype = _as_dtype(dtype)
+        self.dtype = torch_dtype(dtype)
         self.master_addr, self.port = master_addr, port
-        self.backend = backend or default_backend()
+        self.backend = backend or default_backend(device)
         self.timeout_s = timeout_s
         self.cpu_threads = cpu_threads
         self.fast_norm = fast_norm  # "high" batches: fast LayerNorm+modulate (a local, rank-independent choice)
@@ -104,7 +98,7 @@ class TPWorker:
             "shard_s": time.perf_counter() - t2,
         }
 
-    def generate(self, requests: list) -> list | None:
+    def generate(self, requests: list[GenerationRequest]) -> list | None:
         """Run one batch (SPMD: every rank gets the same call). Rank 0 returns the results, others None."""
         if self.pipe is None:
             raise RuntimeError("TPWorker.setup() has not run")

@@ -1,25 +1,113 @@
-"""The TP ranks of one FluxReplica at tp > 1: one `tp.worker.TPWorker` actor per placement-group bundle.
+"""The engine seam: what a FluxReplica runs its batches on, so the replica itself never branches on `tp`.
 
-The replica (a coordinator in bundle 0) submits every rank's call in one loop and awaits them together
-(SPMD): never a subset, or the ranks fall out of step in their collectives. The await is shielded so an
-abandoned request cannot cancel some ranks and not others; one batch runs at a time per replica.
+An engine takes one uniform batch of GenerationRequests and returns their GenerationResults; it also answers health
+checks and reports its counters. `make_engine` picks one from the pool's settings:
+
+- `LocalEngine` (tp == 1): the pipeline in this process, run in a worker thread so the event loop keeps accepting
+  requests and answering health checks while a batch denoises.
+- `TPEngine` (tp > 1): this actor is a coordinator in bundle 0 of its placement group and drives one `tp.worker`
+  TPWorker actor per rank. It submits every rank's call in one loop and awaits them together (SPMD): never a subset,
+  or the ranks fall out of step in their collectives. The await is shielded so an abandoned request cannot cancel
+  some ranks and not others.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Protocol
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.config import AppArgs, PoolArgs
+from deployments.config import COMPILE_WARMUP_STEPS, AppArgs, PoolArgs, compile_warmup_plan
+from deployments.errors import PoolUnavailable
+from model.pipeline import GenerationCancelled, GenerationResult
+from model.request import GenerationRequest, torch_dtype
+from tp.dist import default_backend, find_free_port
 
 logger = logging.getLogger("ray.serve")
 
 HEALTH_TIMEOUT_S = 10.0
 CANCEL_POLL_S = 0.05
+
+
+class Engine(Protocol):
+    async def generate(self, requests: list[GenerationRequest],
+                       should_stop: Callable[[], bool]) -> list[GenerationResult]: ...
+
+    async def check_health(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def actor_names(self) -> list[str]: ...
+
+    def shutdown(self) -> None: ...
+
+
+def make_engine(args: AppArgs, pool: str) -> Engine:
+    """The engine for one replica of `pool`: in-process at tp == 1, one actor per rank above."""
+    pool_args = args.pools[pool]
+    if pool_args.tp == 1:
+        return LocalEngine(args, pool)
+    engine = TPEngine(args, pool_args)
+    engine.start()
+    return engine
+
+
+def _assigned_cpus() -> int:
+    try:
+        return int(ray.get_runtime_context().get_assigned_resources().get("CPU", 0))
+    except Exception:  # outside a Ray actor (tests, scripts): no assignment to read
+        return 0
+
+
+class LocalEngine:
+    """tp == 1: the pipeline in this process; compile warm-up and CUDA graphs as the pool's settings ask."""
+
+    def __init__(self, args: AppArgs, pool: str) -> None:
+        import torch
+
+        from model.loading import load_pipeline
+
+        self.args, self.pool = args, pool
+        pool_args = args.pools[pool]
+        threads = pool_args.cpu_threads or _assigned_cpus() or os.cpu_count() or 1
+        torch.set_num_threads(int(threads))
+        self.pipe = load_pipeline(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+        self.pipe.high_fast_norm = pool_args.fast_norm
+        if pool_args.compile:
+            self.warm_up_compile()
+        if pool_args.cuda_graphs:
+            # Captured lazily: the first request of each batch size / resolution pays two eager steps and the
+            # capture, every later step replays.
+            self.pipe.enable_cuda_graphs()
+
+    def warm_up_compile(self) -> None:
+        """Compile the high pool's blocks before the replica reports ready, for every size and batch size it
+        can be asked for (graphs are shape-specialised), so no request pays compilation."""
+        sizes, batch_sizes = compile_warmup_plan(self.args, self.pool)
+        seconds = self.pipe.enable_compile(sizes, steps=COMPILE_WARMUP_STEPS, batch_sizes=batch_sizes)
+        logger.info("pool=%s: compiled for sizes %s, batch sizes %s in %.1f s", self.pool, sizes, batch_sizes,
+                    seconds)
+
+    async def generate(self, requests: list[GenerationRequest],
+                       should_stop: Callable[[], bool]) -> list[GenerationResult]:
+        return await asyncio.to_thread(self.pipe.generate, requests, should_stop=should_stop)
+
+    async def check_health(self) -> None:
+        return None  # a live process is a live engine: the batch runs in this actor
+
+    def stats(self) -> dict[str, Any]:
+        graphs = self.pipe.step_graphs
+        return {"cuda_graphs": None if graphs is None else graphs.stats()}
+
+    def actor_names(self) -> list[str]:
+        return []
+
+    def shutdown(self) -> None:
+        return None
 
 
 def _rank_actor_class() -> Any:
@@ -39,7 +127,9 @@ def _rank_actor_class() -> Any:
     return ray.remote(concurrency_groups={"health": 1, "control": 1})(FluxTPRank)
 
 
-class TPGroup:
+class TPEngine:
+    """tp > 1: this actor coordinates one TPWorker actor per placement-group bundle (SPMD; see the module doc)."""
+
     def __init__(self, args: AppArgs, pool: PoolArgs) -> None:
         self.args = args
         self.pool = pool
@@ -49,8 +139,6 @@ class TPGroup:
 
     def start(self) -> None:
         from ray.util import get_current_placement_group
-
-        from tp.dist import find_free_port
 
         pg = get_current_placement_group()
         if pg is None or len(pg.bundle_specs) != self.pool.tp:
@@ -62,7 +150,7 @@ class TPGroup:
         # All bundles are on this node (STRICT_PACK), so rank 0's rendezvous can be a port picked here.
         master_addr = ray.util.get_node_ip_address()
         port = find_free_port(master_addr)
-        backend = self.pool.backend or ("nccl" if self.args.device.startswith("cuda") else "gloo")
+        backend = self.pool.backend or default_backend(self.args.device)
         cls = _rank_actor_class()
         threads = int(self.pool.cpu_threads or self.pool.rank_resources.get("CPU", 1) or 1)
         for rank, bundle in enumerate(pg.bundle_specs):
@@ -97,12 +185,10 @@ class TPGroup:
     def actor_names(self) -> list[str]:
         return list(self._names)
 
-    async def generate(self, requests: list[Any], should_stop: Callable[[], bool]) -> list[Any]:
+    async def generate(self, requests: list[GenerationRequest],
+                       should_stop: Callable[[], bool]) -> list[GenerationResult]:
         """One batch on all ranks; rank 0's results. `should_stop()` true -> every rank is asked to cancel
         (the ranks agree on the step to stop at among themselves)."""
-        from deployments.replica import PoolUnavailable
-        from model.pipeline import GenerationCancelled
-
         if self.broken:
             raise PoolUnavailable(self.broken)
         refs = [w.generate.remote(requests) for w in self.workers]
@@ -151,3 +237,6 @@ class TPGroup:
             except Exception:  # already dead: nothing to release
                 pass
         self.workers = []
+
+    def stats(self) -> dict[str, Any]:
+        return {"cuda_graphs": None}

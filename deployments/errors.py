@@ -1,0 +1,20 @@
+"""The errors the serving layers hand each other, and the HTTP status each one becomes at the ingress."""
+
+from __future__ import annotations
+
+
+class BadRequest(Exception):
+    """An invalid request: a 400 with `param` (the field) and `message` (the reason)."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+class PoolUnavailable(RuntimeError):
+    """The pool cannot serve right now (a TP rank died, the replica is shutting down): a 503."""
+
+
+class GenerationFailed(RuntimeError):
+    """The pipeline raised while generating: a 500 with the reason."""

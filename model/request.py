@@ -1,0 +1,104 @@
+"""The request vocabulary shared by every layer: quality tiers, sizes, dtypes, one image request, its batch rules.
+
+Torch-free on purpose: the ingress and the config parser import it without loading torch. The HTTP schema
+(`deployments/schema.py`) is a pydantic model that converts to `GenerationRequest`; the CLI, the pipeline, the
+replica and the TP ranks all speak `GenerationRequest` directly.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+Quality = Literal["lossless", "high"]
+QUALITIES: tuple[Quality, ...] = ("lossless", "high")
+
+# Canonical dtype names (what configs and results say) and the short forms the CLI also accepts.
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+SIZE_MULTIPLE = 16  # FLUX packs 2x2 latent patches of the 8x VAE: pixel sides are multiples of 16
+SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes 64-bit seeds; we keep them signed for JSON clients
+_SIZE_RE = re.compile(r"^([0-9]{1,6})x([0-9]{1,6})$")
+
+
+class SizeError(ValueError):
+    """A size that is not "WxH" with positive multiples of SIZE_MULTIPLE."""
+
+
+def parse_size(size: str, where: str = "size") -> tuple[int, int]:
+    """ "WxH" (lower-case x, digits only) -> (height, width); SizeError naming `where` otherwise."""
+    m = _SIZE_RE.match(str(size))
+    if not m:
+        raise SizeError(f'{where} must be "WxH" with integer W and H (e.g. "256x256"), got {size!r}')
+    width, height = int(m.group(1)), int(m.group(2))
+    for side in (width, height):
+        if side < SIZE_MULTIPLE or side % SIZE_MULTIPLE:
+            raise SizeError(f"{where} {size}: width and height must be positive multiples of {SIZE_MULTIPLE} "
+                            f"({side} is not a positive multiple of {SIZE_MULTIPLE})")
+    return height, width
+
+
+def format_size(height: int, width: int) -> str:
+    return f"{width}x{height}"
+
+
+def dtype_name(name: str) -> str:
+    """A canonical dtype name from a name, an alias or a torch dtype's str ("torch.bfloat16")."""
+    key = str(name).removeprefix("torch.")
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES} (or {sorted(_DTYPE_ALIASES)}), got {name!r}")
+    return key
+
+
+def torch_dtype(name: "str | torch.dtype") -> "torch.dtype":
+    import torch
+
+    return name if isinstance(name, torch.dtype) else getattr(torch, dtype_name(name))
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One image: the prompt, the knobs a batch must share, its own seed, and the tier it is asked in."""
+
+    prompt: str
+    height: int = 256
+    width: int = 256
+    steps: int = 4
+    guidance: float = 3.5
+    seed: int = 0
+    quality: Quality = "lossless"
+
+    def batch_key(self) -> tuple[int, int, int, float, str]:
+        """Only requests with equal keys may share one pipeline call."""
+        return (self.height, self.width, self.steps, self.guidance, self.quality)
+
+
+def validate_batch(requests: list[GenerationRequest]) -> None:
+    """Raise ValueError unless `requests` is a non-empty, valid batch whose requests share every batch-level knob."""
+    if not requests:
+        raise ValueError("empty batch")
+    for r in requests:
+        if not isinstance(r.prompt, str):
+            raise ValueError("prompt must be a string")
+        if r.quality not in QUALITIES:
+            raise ValueError(f"quality must be one of {QUALITIES}, got {r.quality!r}")
+        for name in ("height", "width"):
+            v = getattr(r, name)
+            if not isinstance(v, int) or v < SIZE_MULTIPLE or v % SIZE_MULTIPLE:
+                raise ValueError(f"{name} must be a positive multiple of {SIZE_MULTIPLE}, got {v!r}")
+        if not isinstance(r.steps, int) or r.steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {r.steps!r}")
+        if not isinstance(r.seed, int) or not 0 <= r.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {r.seed!r}")
+    first = requests[0].batch_key()
+    names = ("height", "width", "steps", "guidance", "quality")
+    for r in requests[1:]:
+        for name, a, b in zip(names, first, r.batch_key()):
+            if a != b:
+                raise ValueError(f"all requests of a batch must share {name}: {a!r} vs {b!r}")
