@@ -31,19 +31,19 @@ from kernels import gelu as kgelu  # noqa: E402
 from kernels import modulate as kmod  # noqa: E402
 from kernels import residual as kres  # noqa: E402
 from kernels import rope as krope  # noqa: E402
+from kernels import switches  # noqa: E402
 from kernels.exact import same_values  # noqa: E402
-from model import flux  # noqa: E402
 from model.flux import FluxTransformer  # noqa: E402
 
-# fusion -> (object, attribute, the value that turns it on); residual: the kernels package's process-wide switch
+# fusion (in the order they are stacked) -> its switch in kernels.switches
 SWITCHES = {
-    "residual": (kres, "_fast_path_disabled", False),
-    "rope": (krope.GATE, "enabled", True),
-    "rms": (krope.RMS_GATE, "enabled", True),
-    "modulate": (kmod.GATE, "enabled", True),
-    "layernorm": (kmod.LN_GATE, "enabled", True),
-    "in_place": (flux, "SINGLE_BLOCK_WRITES_IN_PLACE", True),
-    "gelu_into": (kgelu.GELU_INTO_GATE, "enabled", True),
+    "residual": "residual_gate_add",
+    "rope": "rope_cat",
+    "rms": "rms_rope_cat",
+    "modulate": "modulate",
+    "layernorm": "layer_norm_modulate",
+    "in_place": "single_block_in_place",
+    "gelu_into": "gelu_tanh_into",
 }
 FUSIONS = tuple(SWITCHES)
 VARIANTS: list[tuple[str, tuple[str, ...] | None]] = [
@@ -59,14 +59,13 @@ VARIANTS: list[tuple[str, tuple[str, ...] | None]] = [
     ("ours, library defaults", None),
 ]
 # what the library runs by default (the lossless tier as served): fusion -> on?
-DEFAULTS = {f: getattr(obj, attr) == on_value for f, (obj, attr, on_value) in SWITCHES.items()}
+DEFAULTS = {f: switches.get(name) for f, name in SWITCHES.items()}
 
 
 def set_fusions(on: tuple[str, ...] | None) -> None:
     """Turn exactly the fusions in `on` on; on=None: the library defaults."""
-    for f, (obj, attr, on_value) in SWITCHES.items():
-        enabled = DEFAULTS[f] if on is None else f in on
-        setattr(obj, attr, on_value if enabled else not on_value)
+    for f, name in SWITCHES.items():
+        switches.set(name, DEFAULTS[f] if on is None else f in on)
 
 
 def make_inputs(batch: int, device: str, dtype: torch.dtype) -> dict:

@@ -1,16 +1,39 @@
-"""fluxserve kernels: the bit-exact residual-gate fusion and the Linear + tanh-GELU site protocol."""
+"""fluxserve kernels: fused ops for FLUX-style DiT blocks, each with a native (eager) path and guards that fall back.
 
+Knows nothing of models. Every op computes exactly what its `*_eager` twin computes unless it says otherwise; the CUDA
+kernels run only where their guard admits the inputs (and, for the exact ones, after `ExactGate` saw them match eager).
+
+Lossless (bit-exact with eager):
+- `residual_gate_add`           residual + gate * update (+ diffusers' fp16 clip), one pass   (kernels/residual.py)
+- `modulate`                    AdaLN modulation normed * (1 + scale) + shift                   (kernels/modulate.py)
+- `layer_norm_modulate`         LayerNorm (aten's CUDA reduction order) + modulation            (kernels/modulate.py)
+- `rope_cat`, `rms_rope_cat`    QK RMSNorm + RoPE of [text; image] into the joint tensor        (kernels/rope.py)
+- `gelu_tanh_into`              tanh-GELU written into a column slice                           (kernels/gelu.py)
+
+High tier (not bit-exact):
+- `fused_linear_gelu_tanh`      Linear + tanh-GELU in one GEMM epilogue, per-shape dispatch     (kernels/gelu.py)
+- `layer_norm_modulate(..., fast=True)`  single-pass LayerNorm + modulation (kernels/_high_triton.py)
+
+Sites and switches:
+- GELU sites: `mark_fused_gelu_site`, `gelu_site`, `mount` / `unmount` (all-or-nothing), `mounted_sites`
+- `switches`: the one registry of kernel on/off switches (`switches.signature()`, `switches.override(...)`)
+"""
+
+from . import switches
 from .gelu import (
     MountReport,
     can_fuse_linear_gelu,
     fused_linear_gelu_tanh,
     gelu_site,
+    gelu_tanh_into,
     mark_fused_gelu_site,
     mount,
     mounted_sites,
     unmount,
 )
+from .modulate import layer_norm_modulate, modulate
 from .residual import fast_path_disabled, reset_fast_path, residual_gate_add
+from .rope import rms_rope_cat, rope_cat
 
 __all__ = [
     "MountReport",
@@ -18,10 +41,16 @@ __all__ = [
     "fast_path_disabled",
     "fused_linear_gelu_tanh",
     "gelu_site",
+    "gelu_tanh_into",
+    "layer_norm_modulate",
     "mark_fused_gelu_site",
+    "modulate",
     "mount",
     "mounted_sites",
     "reset_fast_path",
     "residual_gate_add",
+    "rms_rope_cat",
+    "rope_cat",
+    "switches",
     "unmount",
 ]

@@ -373,39 +373,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@triton.jit
-def _ln_modulate_fast_kernel(
-    x_ptr, scale_ptr, shift_ptr, out_ptr,
-    S, N, x_sb, x_ss, scale_sb, shift_sb, eps,
-    TY: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # Not bit-exact (quality "high"): two-pass statistics over the row held in registers, FMAs allowed, and one
-    # rounding at the end instead of eager's three.
-    row = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(x_ptr + b * x_sb + row * x_ss + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / N
-    xc = tl.where(mask, x - mean, 0.0)
-    rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=0) / N + eps)
-    sc = tl.load(scale_ptr + b * scale_sb + cols, mask=mask, other=0.0).to(tl.float32)
-    sh = tl.load(shift_ptr + b * shift_sb + cols, mask=mask, other=0.0).to(tl.float32)
-    y = xc * rstd * (1.0 + sc) + sh
-    tl.store(out_ptr + (b * S + row) * N + cols, _cast(y, TY), mask=mask)
-
-
-def ln_modulate_fast(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
-    B, S, D = x.shape
-    out = torch.empty((B, S, D), dtype=x.dtype, device=x.device)
-    block = triton.next_power_of_2(D)
-    _ln_modulate_fast_kernel[(S, B)](
-        x, scale, shift, out, S, D, x.stride(0), x.stride(1), scale.stride(0), shift.stride(0), eps,
-        TY=_TL_DTYPE[x.dtype], BLOCK_N=block, num_warps=max(1, min(8, block // 512)),
-    )
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # QK RMSNorm + RoPE on [text; image] -> joint buffer
 # ----------------------------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from . import switches
+
 logger = logging.getLogger(__name__)
 
 Signature = tuple
@@ -43,11 +45,20 @@ def _cannot_verify_now() -> bool:
 class ExactGate:
     """Per-signature on/off switch for one fused kernel, decided by comparing with eager once."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, doc: str = "") -> None:
         self.name = name
-        self.enabled = True  # global switch (benchmarks, debugging)
+        self._switch = switches.register(name, True, doc or f"fused kernel {name} (bit-exact gate)")
         self._verdict: dict[Signature, bool] = {}
         self.fast_calls = 0  # launches of the fused kernel that produced the returned result
+
+    @property
+    def enabled(self) -> bool:
+        """The gate's switch in `kernels.switches` (off: always eager; benchmarks, debugging)."""
+        return self._switch.value
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._switch.value = bool(value)
 
     def verdicts(self) -> dict[Signature, bool]:
         return dict(self._verdict)

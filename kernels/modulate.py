@@ -94,9 +94,9 @@ def layer_norm_modulate(
     eager. fast=True (quality "high", CUDA fp16/bf16): the non-exact single-pass kernel; elsewhere the lossless path.
     """
     if fast and _fast_supported(x, scale, shift):
-        from . import _lossless_triton
+        from . import _high_triton
 
-        return _lossless_triton.ln_modulate_fast(x, scale, shift, eps)
+        return _high_triton.ln_modulate_fast(x, scale, shift, eps)
 
     if not LN_GATE.enabled:  # switched off (benchmarks): skip building a signature on every call of the hot path
         return layer_norm_modulate_eager(x, scale, shift, eps)

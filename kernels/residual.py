@@ -6,24 +6,25 @@ import logging
 
 import torch
 
+from . import switches
+
 logger = logging.getLogger(__name__)
 
 _HALF = (torch.float16, torch.bfloat16)
 
-# Process-wide kill switch: the first runtime failure of the fast path (outside torch.compile) turns it off.
-_fast_path_disabled = False
+# Process-wide switch of the fast path; the first runtime failure of the kernel (outside torch.compile) turns it off.
+SWITCH = switches.register("residual_gate_add", True, "Triton residual-gate kernel (bit-exact; off after a failure)")
 # Counts Triton launches, so tests can prove the fast path (not the fallback) produced a result.
 _triton_calls = 0
 
 
 def reset_fast_path() -> None:
     """Re-enable the fast path after a failure disabled it (for tests and long-lived processes)."""
-    global _fast_path_disabled
-    _fast_path_disabled = False
+    SWITCH.value = True
 
 
 def fast_path_disabled() -> bool:
-    return _fast_path_disabled
+    return not SWITCH.value
 
 
 def triton_calls() -> int:
@@ -108,8 +109,7 @@ def residual_gate_add(
     Under torch.compile a kernel failure raises; outside it, the first failure logs one warning and the
     process uses eager from then on (see `reset_fast_path`).
     """
-    global _fast_path_disabled
-    if _fast_path_disabled:
+    if not SWITCH.value:
         return _eager(residual, update, gate, clip)
     gate3 = _fast_path_args(residual, update, gate)
     if gate3 is None:
@@ -119,7 +119,7 @@ def residual_gate_add(
     try:
         return _launch(residual, update, gate3, clip)
     except Exception as exc:  # noqa: BLE001 - any kernel/compiler failure must degrade to eager, once
-        _fast_path_disabled = True
+        SWITCH.value = False
         logger.warning(
             "residual_gate_add: Triton fast path failed (%s: %s); using eager `residual + gate * update` "
             "for the rest of this process",

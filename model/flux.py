@@ -33,9 +33,8 @@ from diffusers.models.normalization import AdaLayerNormContinuous
 from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 from diffusers.utils import apply_lora_scale, logging
 
-from kernels import gelu_site, mark_fused_gelu_site, residual_gate_add
-from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site, modulate
-from kernels.rope import apply_rope_eager as apply_rope
+from kernels import gelu_site, mark_fused_gelu_site, residual_gate_add, switches
+from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site
 from kernels.rope import rms_rope_cat
 
 if TYPE_CHECKING:
@@ -45,7 +44,8 @@ logger = logging.get_logger(__name__)
 
 # The single block writes attention and GELU straight into proj_out's input instead of cat-ing them (same values,
 # one full-width copy less). A switch only so bench/lossless_fusions.py can measure it.
-SINGLE_BLOCK_WRITES_IN_PLACE = True
+IN_PLACE = switches.register("single_block_in_place", True,
+                             "single block writes attention and GELU into proj_out's input (no cat)")
 
 __all__ = [
     "FluxTransformer",
@@ -57,8 +57,6 @@ __all__ = [
     "FluxFeedForward",
     "FluxGELU",
     "FluxFusedGELUProj",
-    "modulate",
-    "apply_rope",
 ]
 
 
@@ -217,7 +215,7 @@ class FluxAttention(nn.Module):
         norm_added_k = self.norm_added_k if encoder_query is not None else None
 
         if image_rotary_emb is not None:
-            # == apply_rope(cat([norm(text), norm(image)])): on CUDA one fused pass per q / k from the projection
+            # == apply_rope_eager(cat([norm(text), norm(image)])): on CUDA one fused pass per q / k from the projection
             # output to the joint rotated tensor (bit-exact gates).
             cos, sin = image_rotary_emb
             query = rms_rope_cat(encoder_query, query, norm_added_q, self.norm_q, cos, sin)
@@ -324,7 +322,7 @@ class FluxSingleTransformerBlock(nn.Module):
     ) -> torch.Tensor:
         """The block on the joint [text; image] sequence (what diffusers computes between its cat and split)."""
         norm_hidden_states, gate = self.norm(joint, emb=temb)
-        if (SINGLE_BLOCK_WRITES_IN_PLACE and type(self.proj_mlp) is nn.Linear and not torch.is_grad_enabled()
+        if (IN_PLACE.value and type(self.proj_mlp) is nn.Linear and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling()):
             # diffusers: proj_out(cat([attn, gelu(proj_mlp(x))], dim=2)). Both halves are written straight into
             # their columns of the proj_out input (the values cat would copy there), saving a full-width copy.

@@ -29,6 +29,8 @@ from typing import Any, Callable, Hashable
 import torch
 from torch.utils._pytree import tree_map_only
 
+from kernels import switches
+
 logger = logging.getLogger(__name__)
 
 EagerForward = Callable[..., Any]
@@ -74,15 +76,11 @@ def _describe(value: Any) -> Hashable:
 
 
 def _kernel_state() -> tuple:
-    """Run-time switches that change which kernels the forward launches (a graph keeps the ones it was captured
-    with). Reading them costs a few microseconds per step."""
-    from kernels import fast_path_disabled
-    from kernels import modulate as _modulate
-    from kernels import rope as _rope
-
+    """What changes which kernels the forward launches (a graph keeps the ones it was captured with): every switch
+    of `kernels.switches`, and torch's math and attention backend flags. Reading them costs a few microseconds."""
     cuda = torch.backends.cuda
     return (
-        fast_path_disabled(), _modulate.GATE.enabled, _rope.GATE.enabled,
+        switches.signature(),
         torch.get_float32_matmul_precision(), cuda.matmul.allow_bf16_reduced_precision_reduction,
         cuda.matmul.allow_fp16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32,
         cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(), cuda.cudnn_sdp_enabled(),

@@ -243,9 +243,9 @@ def test_mount_routes_every_site_and_unmount_restores(pairs, monkeypatch) -> Non
         # one there, see kernels.gelu.gelu_site); with that write switched off they fuse too.
         n_double, n_single = SMALL["num_layers"], SMALL["num_single_layers"]
         for in_place in (True, False):
-            monkeypatch.setattr(flux, "SINGLE_BLOCK_WRITES_IN_PLACE", in_place)
-            calls.clear()
-            assert torch.equal(_run(ours, inputs), expected)
+            with kernels.switches.override(single_block_in_place=in_place):
+                calls.clear()
+                assert torch.equal(_run(ours, inputs), expected)
             assert calls.count((2, IMG, 128)) == n_double
             assert calls.count((2, TXT, 128)) == n_double
             assert calls.count((2, TXT + IMG, 128)) == (0 if in_place else n_single)

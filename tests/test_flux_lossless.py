@@ -293,6 +293,7 @@ def test_compile_time_reciprocals_round_like_fp32_division() -> None:
 _LN_INTERPRET_PROBE = r"""
 import torch
 import tests.test_flux_lossless as T
+from kernels import _high_triton as H
 from kernels import _lossless_triton as K
 torch.manual_seed(0)
 n = 0
@@ -312,11 +313,11 @@ for (B, S, D) in ((1, 3, 3072), (2, 2, 64), (1, 2, 520)):  # 6 full iterations; 
     # The fast (high-tier) kernel: one rounding of the fp32 math, so in fp16 within an ulp of the float64 formula...
     xd, shd, scd = x.double(), shift.double()[:, None], scale.double()[:, None]
     want = (xd - xd.mean(-1, keepdim=True)) / torch.sqrt(xd.var(-1, unbiased=False, keepdim=True) + 1e-6) * (1 + scd) + shd
-    fast = K.ln_modulate_fast(x, scale, shift, 1e-6)
+    fast = H.ln_modulate_fast(x, scale, shift, 1e-6)
     assert ((fast.double() - want).abs() <= 2.0**-10 * want.abs() + 2.0**-24).all(), (B, S, D)
     # ...and in fp32 within a few ulp of the row's scale (a biased variance or a wrong eps is ~1e-3 away).
     x32, sc32, sh32 = x.float(), scale.float(), shift.float()
-    fast32 = K.ln_modulate_fast(x32, sc32, sh32, 1e-6)
+    fast32 = H.ln_modulate_fast(x32, sc32, sh32, 1e-6)
     err = (fast32.double() - want).abs().amax(-1) / want.abs().amax(-1)
     assert err.max() < 1e-6, (B, S, D, err.max().item())
     n += 1

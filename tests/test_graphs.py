@@ -182,6 +182,27 @@ def test_keys_cover_shapes_optional_args_return_dict_and_mode_but_not_values() -
     assert sg.key(a) == high
 
 
+@pytest.mark.parametrize("switch", ["residual_gate_add", "rope_cat", "rms_rope_cat", "modulate",
+                                    "layer_norm_modulate", "gelu_tanh_into", "single_block_in_place"])
+def test_a_graph_is_never_replayed_across_a_kernel_switch_change(switch: str) -> None:
+    """Every registered kernel switch is part of the graph key: flipping one captures a new graph instead of
+    replaying the one captured with the old kernels; flipping it back replays that one again."""
+    from kernels import switches
+
+    assert switch in switches.names()  # the model's and the kernels' switches are all registered
+    m = _model()
+    sg = m.step_graphs = _PolicyOnly(max_graphs=4)
+    inputs = _inputs(1, seed=1)
+    _graphed(m, inputs)
+    _graphed(m, inputs)
+    assert (sg.captures, sg.replays) == (1, 2)
+    with switches.override(**{switch: not switches.get(switch)}):
+        assert torch.equal(_graphed(m, inputs), _eager(m, inputs))
+        assert (sg.captures, sg.replays) == (2, 3)  # a new capture: the old graph was not replayed
+    _graphed(m, inputs)
+    assert (sg.captures, sg.replays) == (2, 4)  # back to the first graph
+
+
 def test_lru_bound_eviction_and_reuse() -> None:
     m = _model()
     sg = m.step_graphs = _PolicyOnly(max_graphs=2)

@@ -393,8 +393,8 @@ def test_tp2_as_accurate_as_tp1_against_float64(tp_run: dict) -> None:
 
 
 def test_row_parallel_bias_order_is_pinned(tp_run: dict) -> None:
-    """tp/layers.py: the bias is added once, inside rank 0's GEMM, before the all-reduce (`python -m
-    tp.bias_order` measured this order closer to TP=1). Bit for bit against the hand-written order."""
+    """tp/layers.py: the bias is added once, inside rank 0's GEMM, before the all-reduce (`python
+    bench/tp_bias_order.py` measured this order closer to TP=1). Bit for bit against the hand-written order."""
     import torch
 
     inside, after = tp_run[0]["row_bias_inside"], tp_run[0]["row_bias_after"]

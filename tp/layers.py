@@ -5,7 +5,7 @@ entries) and computes its slice of the output; no communication unless `gather_o
 Row-parallel: each rank holds a block of input features (columns of W) and receives the matching slice of the
 activation (the output of a column-parallel layer); the partial products are summed with one all-reduce.
 
-Bias order in the row-parallel layer (measured, `python -m tp.bias_order`): the bias is added exactly once,
+Bias order in the row-parallel layer (measured, `python bench/tp_bias_order.py`): the bias is added exactly once,
 inside rank 0's local GEMM (`F.linear(x_0, W_0, b)`), before the all-reduce. That keeps TP=2 closer to TP=1
 than adding it after the reduce, because TP=1's GEMM also accumulates the bias into its dot product before its
 single rounding: on CPU at TP=2, mean |TP2 - TP1| / mean |TP1| was 1.01e-7 (in GEMM) vs 1.18e-7 (after) in

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from model.flux import FluxGELU
+
 from .layers import ColumnParallelLinear, RowParallelLinear
 
 TP_ATTR = "_fluxserve_tp"
@@ -42,14 +44,6 @@ class TPInfo:
 def tp_info(model: nn.Module) -> TPInfo | None:
     """The sharding a model carries (None when unsharded)."""
     return model.__dict__.get(TP_ATTR)
-
-
-def _flux_gelu_cls():
-    try:
-        from model.flux import FluxGELU
-    except ImportError:  # diffusers-only use (model/flux.py absent)
-        return None
-    return FluxGELU
 
 
 def _column(linear: nn.Linear, info: TPInfo) -> ColumnParallelLinear:
@@ -79,9 +73,8 @@ def _shard_attention(attn: nn.Module, info: TPInfo) -> None:
 def _shard_feed_forward(ff: nn.Module, info: TPInfo) -> None:
     up = ff.net[0]
     col = _column(up.proj, info)
-    flux_gelu = _flux_gelu_cls()
-    if flux_gelu is not None and isinstance(up, flux_gelu):
-        ff.net[0] = flux_gelu(col)  # column-parallel up-proj + tanh-GELU through the site protocol
+    if isinstance(up, FluxGELU):
+        ff.net[0] = FluxGELU(col)  # column-parallel up-proj + tanh-GELU through the site protocol
     else:
         up.proj = col  # diffusers' GELU module: proj then gelu, unchanged
     ff.net[2] = _row(ff.net[2], info)

@@ -1,4 +1,4 @@
-"""Measure where the row-parallel bias should go: `python -m tp.bias_order`.
+"""Measure where the row-parallel bias should go: `python bench/tp_bias_order.py`.
 
 Simulates a TP-way row split in one process (the all-reduce of partial products is a plain sum in rank order, as
 gloo and a 2-rank NCCL ring compute it) and compares, against the unsharded F.linear (TP=1), adding the bias

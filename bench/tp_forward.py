@@ -1,4 +1,4 @@
-"""Time one FLUX transformer forward at TP=1 and TP=N: `python -m tp.bench --world-size 2 --device cuda`.
+"""Time one FLUX transformer forward at TP=1 and TP=N: `python bench/tp_forward.py --world-size 2 --device cuda`.
 
 Spawns N local processes (NCCL on CUDA, gloo on CPU). Rank 0 first times the unsharded model (TP=1); then every
 rank shards the same seeded weights and the TP=N forward is timed, plus the all-reduce alone at the block output
@@ -16,11 +16,17 @@ import statistics
 import time
 from typing import Any
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model.request import DTYPES, torch_dtype  # noqa: E402
+
 
 
 def _build(preset: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -82,7 +88,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
-    dtype = _DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     group = init_tp(rank, args.world_size, port=port, timeout_s=args.timeout_s,
                     device=device if device.type == "cuda" else None)
     model = _build(args.preset, device, dtype)
@@ -132,7 +138,7 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--preset", default="tiny", help="a model.presets name (its transformer config)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--txt-tokens", type=int, default=512)
