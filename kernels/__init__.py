@@ -1,11 +1,11 @@
 """fluxserve kernels: fused ops for FLUX-style DiT blocks, each with a native (eager) path and guards that fall back.
 
-Knows nothing of models. Every op computes exactly what its `*_eager` twin computes unless it says otherwise; the CUDA
+Knows nothing of models. (The submodule `kernels.modulate` keeps its name, so its op is `kernels.modulate.modulate`.) Every op computes exactly what its `*_eager` twin computes unless it says otherwise; the CUDA
 kernels run only where their guard admits the inputs (and, for the exact ones, after `ExactGate` saw them match eager).
 
 Lossless (bit-exact with eager):
 - `residual_gate_add`           residual + gate * update (+ diffusers' fp16 clip), one pass   (kernels/residual.py)
-- `modulate`                    AdaLN modulation normed * (1 + scale) + shift                   (kernels/modulate.py)
+- `modulate.modulate`           AdaLN modulation normed * (1 + scale) + shift                   (kernels/modulate.py)
 - `layer_norm_modulate`         LayerNorm (aten's CUDA reduction order) + modulation            (kernels/modulate.py)
 - `rope_cat`, `rms_rope_cat`    QK RMSNorm + RoPE of [text; image] into the joint tensor        (kernels/rope.py)
 - `gelu_tanh_into`              tanh-GELU written into a column slice                           (kernels/gelu.py)
@@ -31,7 +31,7 @@ from .gelu import (
     mounted_sites,
     unmount,
 )
-from .modulate import layer_norm_modulate, modulate
+from .modulate import layer_norm_modulate
 from .residual import fast_path_disabled, reset_fast_path, residual_gate_add
 from .rope import rms_rope_cat, rope_cat
 
@@ -44,7 +44,6 @@ __all__ = [
     "gelu_tanh_into",
     "layer_norm_modulate",
     "mark_fused_gelu_site",
-    "modulate",
     "mount",
     "mounted_sites",
     "reset_fast_path",

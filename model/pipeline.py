@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from model import faults
 from model.request import GenerationRequest, Quality, validate_batch
+from model.tiers import TierPlan, applied_tier, plan_tier
 
 if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request types without needing torch
     import torch
@@ -240,63 +241,47 @@ class FluxServePipeline:
         self.compile_warmup_s = time.perf_counter() - t0
         return self.compile_warmup_s
 
-    def generate(self, requests: list[GenerationRequest], progress: bool = False,
-                 should_stop: Callable[[], bool] | None = None,
-                 compiled: bool | None = None, cuda_graphs: bool | None = None) -> list[GenerationResult]:
-        """Generate one uniform batch. "high" mounts the GELU sites for this batch only; if the kernels refuse
-        (e.g. on the CPU) it runs unfused and every result says mounted_sites=0. With `high_fast_norm` a high batch
-        also switches the LayerNorm+modulate sites to the fast kernel (CUDA half only; elsewhere they stay exact).
-        A high batch runs the compiled blocks when `compiled` (default: after `enable_compile`); lossless never
-        does. The transformer steps replay CUDA graphs when `cuda_graphs` (default: after `enable_cuda_graphs`),
-        except in a compiled high batch."""
-        import kernels
-        from kernels.modulate import fast_norm_sites, set_fast_norm
-
-        validate_batch(requests)
-        quality = requests[0].quality
+    def plan(self, quality: Quality, compiled: bool | None = None, cuda_graphs: bool | None = None) -> TierPlan:
+        """The tier plan of a batch of `quality` under this pipeline's settings. `compiled` (default: after
+        `enable_compile`) applies to high batches only; `cuda_graphs` (default: after `enable_cuda_graphs`) to
+        either tier except a compiled high batch; `high_fast_norm` on CUDA fp16/bf16 only (elsewhere the sites
+        stay exact)."""
         if compiled is None:
             compiled = self.compile_enabled
         if compiled and quality == "high" and self._compiled_runners is None:
             raise ValueError("compiled=True needs enable_compile() first")
-        use_compiled = compiled and quality == "high"
         if cuda_graphs is None:
             cuda_graphs = self.cuda_graphs_enabled
         if cuda_graphs and self._step_graphs is None:
             raise ValueError("cuda_graphs=True needs enable_cuda_graphs() first")
-        use_graphs = cuda_graphs and not use_compiled
+        return plan_tier(quality, fast_norm=self.high_fast_norm and self._fast_norm_applies(), compiled=compiled,
+                         cuda_graphs=cuda_graphs)
+
+    def generate(self, requests: list[GenerationRequest], progress: bool = False,
+                 should_stop: Callable[[], bool] | None = None,
+                 compiled: bool | None = None, cuda_graphs: bool | None = None,
+                 agree: Callable[[bool], bool] | None = None) -> list[GenerationResult]:
+        """Generate one uniform batch under its tier's plan (`plan`), applied for this batch only
+        (`model.tiers.applied_tier`). "high" mounts the GELU sites; if the kernels refuse (e.g. on the CPU) it runs
+        unfused and every result says mounted_sites=0. agree: the TP ranks' agreement on the mount (see
+        applied_tier)."""
+        validate_batch(requests)
+        quality = requests[0].quality
+        plan = self.plan(quality, compiled, cuda_graphs)
         with self._lock:
             t0 = time.perf_counter()
-            if kernels.mounted_sites(self.transformer):
-                kernels.unmount(self.transformer)  # lossless must never run on a mounted site
-            set_fast_norm(self.transformer, False)
-            n_mounted = n_fast_norm = 0
-            try:
-                if quality == "high":
-                    self.last_mount_report = kernels.mount(self.transformer)
-                    n_mounted = len(kernels.mounted_sites(self.transformer))
-                    if self.high_fast_norm and self._fast_norm_applies():
-                        set_fast_norm(self.transformer, True)
-                        n_fast_norm = fast_norm_sites(self.transformer)
-                if use_compiled:
-                    self.transformer.block_runners = self._compiled_runners
-                if use_graphs:
-                    # Mounted / switched sites run other kernels than lossless: a separate graph per (tier, mounted
-                    # GELU sites, fast norm sites).
-                    self._step_graphs.mode = (quality, n_mounted, n_fast_norm)
-                    self.transformer.step_graphs = self._step_graphs
+            with applied_tier(self.transformer, plan, block_runners=self._compiled_runners,
+                              step_graphs=self._step_graphs, agree=agree) as report:
+                if report.mount_report is not None:
+                    self.last_mount_report = report.mount_report
                 t1 = time.perf_counter()
                 latents, pngs = run_flux_pipeline(self.pipe, requests, progress, should_stop)
-            finally:
-                self.transformer.block_runners = None  # compiled blocks never outlive their high batch
-                self.transformer.step_graphs = None  # nor do graphs: other users of the transformer run eager
-                if quality == "high":
-                    kernels.unmount(self.transformer)
-                    set_fast_norm(self.transformer, False)
             _sync(self.device)
             t2 = time.perf_counter()
         timings = {"mount_s": t1 - t0, "pipeline_s": t2 - t1, "total_s": t2 - t0, "batch_size": float(len(requests))}
-        return [GenerationResult(png=png, latents=lat, seed=r.seed, quality=quality, mounted_sites=n_mounted,
-                                 timings=dict(timings), fast_norm_sites=n_fast_norm)
+        return [GenerationResult(png=png, latents=lat, seed=r.seed, quality=quality,
+                                 mounted_sites=report.mounted_sites, timings=dict(timings),
+                                 fast_norm_sites=report.fast_norm_sites)
                 for r, lat, png in zip(requests, latents, pngs)]
 
     def _fast_norm_applies(self) -> bool:

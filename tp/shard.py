@@ -169,14 +169,20 @@ def mount_all_ranks(model: nn.Module, group: dist.ProcessGroup | None = None):
     from kernels.gelu import mount, unmount  # submodule import: robust to a namespace-package install
 
     report = mount(model)
-    if not dist.is_initialized():
-        return report.ok, report
     if group is None:
         info = tp_info(model)
         group = info.group if info is not None else None
-    flag = torch.tensor([1 if report.ok else 0], dtype=torch.int32, device=_comm_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    ok = bool(flag.item())
+    ok = agree_all_ranks(report.ok, group)
     if not ok:
         unmount(model)
     return ok, report
+
+
+def agree_all_ranks(ok: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """True on every rank iff `ok` is true on every rank (collective: a MIN all-reduce); `ok` alone without a
+    process group."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_comm_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

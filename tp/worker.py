@@ -12,7 +12,6 @@ process after the timeout), so the caller sees an error, never a hang.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -22,11 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kernels.gelu import unmount
 from model.request import GenerationRequest, torch_dtype
 
 from .dist import DEFAULT_PORT, DEFAULT_TIMEOUT_S, default_backend, init_tp, shutdown_tp
-from .shard import check_replicas_identical, mount_all_ranks, shard_flux_transformer
+from .shard import agree_all_ranks, check_replicas_identical, shard_flux_transformer
 
 class TPWorker:
     def __init__(
@@ -103,22 +101,11 @@ class TPWorker:
         if self.pipe is None:
             raise RuntimeError("TPWorker.setup() has not run")
         self._cancel.clear()
-        requests = list(requests)
-        run, unfused_high = requests, False
-        if requests and requests[0].quality == "high" and self.world_size > 1:
-            # A "high" batch mounts on every rank or on none: ranks that disagree would compute different GELUs
-            # (same shapes, silently different images). The pipeline mounts by itself with the local,
-            # deterministic guard, so agree here first: if every rank can mount, each pipeline's own mount
-            # succeeds too; if any rank refuses, run the batch unmounted everywhere (the "lossless" path is
-            # exactly the unmounted computation) and report it as an unfused "high" batch.
-            ok, _ = mount_all_ranks(self.pipe.transformer, self.ctrl_group)
-            unmount(self.pipe.transformer)
-            if not ok:
-                run = [dataclasses.replace(r, quality="lossless") for r in requests]
-                unfused_high = True
-        results = self.pipe.generate(run, should_stop=self._should_stop)
-        if unfused_high:
-            results = [dataclasses.replace(r, quality="high", mounted_sites=0) for r in results]
+        # A "high" batch mounts on every rank or on none: ranks that disagree would compute different GELUs (same
+        # shapes, silently different images). The mount's local verdict is agreed over the control group; a refusal
+        # anywhere runs the batch unmounted everywhere (reported as mounted_sites=0).
+        results = self.pipe.generate(list(requests), should_stop=self._should_stop,
+                                     agree=lambda ok: agree_all_ranks(ok, self.ctrl_group))
         return results if self.rank == 0 else None
 
     def _should_stop(self) -> bool:

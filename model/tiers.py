@@ -1,0 +1,105 @@
+"""A quality tier as a value: what it switches on (`TierPlan`), and the one place that applies it to a transformer.
+
+`plan_tier` turns a request's quality and the pipeline's settings into a frozen `TierPlan`; `applied_tier` switches a
+transformer to that plan for one batch and restores the lossless state after it, whatever happens inside. The
+pipeline uses it for every batch and the TP ranks reach it through the pipeline, passing an `agree` hook so that a
+`high` batch mounts its fused sites on every rank or on none.
+
+Lossless is the plan with everything off: unmounted sites, exact norms, eager blocks; only CUDA-graph replay (which
+replays the same kernels) may be on.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import kernels
+from kernels.modulate import fast_norm_sites, set_fast_norm
+from model.request import Quality
+
+if TYPE_CHECKING:
+    import torch
+
+    from model.graphs import StepGraphs
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    quality: Quality
+    mount_gelu: bool = False  # Linear + tanh-GELU sites through the fused epilogue (not bit-exact)
+    fast_norm: bool = False  # LayerNorm + modulate through the single-pass kernel (not bit-exact)
+    compiled: bool = False  # the blocks through their regional torch.compile graphs
+    cuda_graphs: bool = False  # each step replayed from a CUDA graph (bit-identical to eager)
+
+    def __post_init__(self) -> None:
+        if self.quality == "lossless" and (self.mount_gelu or self.fast_norm or self.compiled):
+            raise ValueError(f"a lossless plan may not switch on non-exact kernels or compiled blocks: {self}")
+        if self.compiled and self.cuda_graphs:
+            raise ValueError("a compiled batch never replays CUDA graphs")
+
+
+def plan_tier(quality: Quality, *, fast_norm: bool = False, compiled: bool = False,
+              cuda_graphs: bool = False) -> TierPlan:
+    """The plan of one batch: `high` mounts the GELU sites and takes the opt-ins it is given; `lossless` none of
+    them. CUDA graphs apply to either tier, except inside a compiled batch."""
+    high = quality == "high"
+    return TierPlan(quality, mount_gelu=high, fast_norm=high and fast_norm, compiled=high and compiled,
+                    cuda_graphs=cuda_graphs and not (high and compiled))
+
+
+@dataclass
+class TierReport:
+    """What a batch actually ran with (a plan's sites can be refused: then the batch runs them unfused)."""
+
+    mounted_sites: int = 0
+    fast_norm_sites: int = 0
+    mount_report: Any = None  # kernels.MountReport of the GELU mount, when the plan mounts
+
+
+def _restore_lossless(transformer: torch.nn.Module) -> None:
+    transformer.block_runners = None
+    transformer.step_graphs = None
+    if kernels.mounted_sites(transformer):
+        kernels.unmount(transformer)
+    set_fast_norm(transformer, False)
+
+
+@contextmanager
+def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
+                 block_runners: tuple[Any, Any] | None = None, step_graphs: StepGraphs | None = None,
+                 agree: Callable[[bool], bool] | None = None) -> Iterator[TierReport]:
+    """Switch `transformer` to `plan` for the block; back to lossless after it (also on errors and cancellation).
+
+    agree: called once with this process's "every site mounted" and returns the verdict of all ranks (TP: a
+    collective), so that a refusal anywhere unmounts everywhere.
+    """
+    _restore_lossless(transformer)  # lossless must never run on a site a previous batch left switched
+    report = TierReport()
+    try:
+        if plan.mount_gelu:
+            report.mount_report = kernels.mount(transformer)
+            ok = report.mount_report.ok
+            if agree is not None:
+                ok = agree(ok)
+            if not ok:
+                kernels.unmount(transformer)
+            report.mounted_sites = len(kernels.mounted_sites(transformer))
+        if plan.fast_norm:
+            set_fast_norm(transformer, True)
+            report.fast_norm_sites = fast_norm_sites(transformer)
+        if plan.compiled:
+            if block_runners is None:
+                raise ValueError("a compiled plan needs the compiled block runners")
+            transformer.block_runners = block_runners
+        if plan.cuda_graphs:
+            if step_graphs is None:
+                raise ValueError("a CUDA-graph plan needs the step-graph cache")
+            # Mounted / switched sites run other kernels than lossless: a separate graph per (tier, mounted GELU
+            # sites, fast norm sites).
+            step_graphs.mode = (plan.quality, report.mounted_sites, report.fast_norm_sites)
+            transformer.step_graphs = step_graphs
+        yield report
+    finally:
+        _restore_lossless(transformer)
