@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
-from deployments.config import AppArgs, Limits
-from deployments.schema import SEED_MAX, BadRequest, ImageRequest, validate
+pytest.importorskip("pydantic")  # the HTTP model; absent on GPU boxes that only run `-m gpu`
+
+from deployments.config import AppArgs, Limits  # noqa: E402
+from deployments.schema import SEED_MAX, BadRequest, ImageRequest, validate  # noqa: E402
 
 LIMITS = Limits(min_side=64, max_side=1024, max_pixels=512 * 1024, size_multiple=16, min_steps=2, max_steps=50,
                 max_n=3, max_prompt_chars=40, max_guidance=12.0)
