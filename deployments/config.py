@@ -53,12 +53,12 @@ class PoolArgs:
     rank_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
     # torch intra-op threads inside the replica / rank (Ray forces OMP_NUM_THREADS=1 in actors).
     cpu_threads: int | None = None
-    # Process-group backend for tp > 1: "gloo" on CPU, "nccl" on GPU.
+    # Process-group backend for tp > 1; None: tp.dist.default_backend (NCCL on CUDA, gloo on CPU).
     backend: str | None = None
     # True: compatible requests are still collected per @serve.batch call, but each runs as its own
-    # pipeline call, so an image never depends on what else was in flight. Measured on CPU (tiny, fp32):
-    # batching two requests changes latents by ~5e-7 and the PNG bytes (GEMM rounding depends on the
-    # batch), so the lossless pool defaults to True; the high pool batches for throughput.
+    # pipeline call, so an image never depends on what else was in flight: GEMM rounding depends on the batch
+    # size (tests/test_pipeline.py shows it, stock diffusers alike), so the lossless pool defaults to True; the
+    # high pool batches for throughput.
     batch_invariant: bool = False
     # How long a batch waits to fill. None: 0 for a batch-invariant pool (batching saves it no compute,
     # so waiting would be pure latency), else the app-level batch_wait_timeout_s.

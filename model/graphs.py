@@ -1,8 +1,8 @@
 """CUDA-graph replay of the transformer step: one captured `FluxTransformer` forward per input signature.
 
-Why: on an H200 a lossless FLUX.1-dev step at 1024^2 takes ~141 ms of wall time for ~129 ms of kernels; the host
-cannot launch its ~1500 kernels fast enough. A replayed graph launches them all at once. Measured end to end at
-1024^2, batch 1 (bench/results/e2e-h200.md) it gains only ~0.4%: there the launch gaps mostly overlap GPU work. It is bit-identical to the
+Why: a FLUX.1 step launches ~1500 kernels, and where the host cannot launch them as fast as the GPU runs them, a
+replayed graph (all launched at once) closes the gaps. At 1024^2, batch 1 the gaps mostly overlap GPU work, so the
+gain there is small (bench/results/e2e-h200.md). It is bit-identical to the
 eager forward by construction: the same kernels with the same launch configurations read static input buffers that
 have the caller's exact layout (shape, strides, dtype, 16-byte alignment class), so every Python-side choice the
 forward made while it was captured (ExactGate verdicts, GELU per-shape dispatch, Triton specialisations) is the one
