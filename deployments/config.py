@@ -88,6 +88,8 @@ class AppArgs:
     default_size: str = "256x256"
     default_steps: int = 4
     default_guidance: float = 3.5
+    # The tier of a request that asks for none, "auto" or "standard".
+    default_quality: str = "lossless"
     max_batch_size: int = 4
     batch_wait_timeout_s: float = 0.05
     # Ingress-side deadline for one request (504 after it); a request may ask for less.
@@ -127,6 +129,8 @@ class AppArgs:
         for q, pool in pools.items():
             for size in args.compile_sizes(q):
                 parse_size(size, f"args.pools.{q}.compile_sizes")
+        if args.default_quality not in QUALITIES:
+            raise ValueError(f"args.default_quality must be one of {QUALITIES}, got {args.default_quality!r}")
         if args.dtype not in DTYPES:
             raise ValueError(f"args.dtype must be one of {DTYPES}, got {args.dtype!r}")
         if args.max_batch_size < 1:

@@ -24,7 +24,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments.config import AppArgs
 from deployments.errors import BadRequest, GenerationFailed, PoolUnavailable
-from deployments.schema import ImageRequest, ImageResponse, validate
+from deployments.schema import ImageRequest, ImageResponse, encode_image, validate
 from model.request import QUALITIES
 
 logger = logging.getLogger("ray.serve")
@@ -131,7 +131,8 @@ class Ingress:
         "/v1/images/generations",
         response_model=ImageResponse,
         responses={
-            200: {"content": {"image/png": {}}, "description": "JSON, or a PNG with `Accept: image/png` and n == 1"},
+            200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}},
+                  "description": "JSON, or the raw image with `Accept: image/<output_format>` and n == 1"},
             400: {"description": "invalid request (reason in error.message)"},
             500: {"description": "generation failed"},
             503: {"description": "pool unavailable or overloaded"},
@@ -142,15 +143,15 @@ class Ingress:
         try:
             v = validate(body, self.args, self.model_name)
         except BadRequest as e:
-            self.m_requests.inc(tags={"pool": body.quality if body.quality in QUALITIES else "none",
-                                      "status": "400"})
+            self.m_requests.inc(tags={"pool": "none", "status": "400"})
             return _error(400, e.message, "invalid_request_error", e.param)
-        wants_png = "image/png" in request.headers.get("accept", "")
-        if wants_png and len(v.jobs) != 1:
-            self.m_requests.inc(tags={"pool": body.quality, "status": "400"})
-            return _error(400, "Accept: image/png needs n == 1 (use JSON b64_json for several images)",
+        pool = v.jobs[0].quality
+        media_type = f"image/{v.output_format}"
+        wants_raw = media_type in request.headers.get("accept", "")
+        if wants_raw and len(v.jobs) != 1:
+            self.m_requests.inc(tags={"pool": pool, "status": "400"})
+            return _error(400, f"Accept: {media_type} needs n == 1 (use JSON b64_json for several images)",
                           "invalid_request_error", "n")
-        pool = body.quality
         t0 = time.perf_counter()
         self._inflight[pool] += 1
         self.m_inflight.set(self._inflight[pool], tags={"pool": pool})
@@ -170,11 +171,13 @@ class Ingress:
         for r in results:  # the slowest image bounds the request; report its replica timings
             for k, val in r["timings"].items():
                 timings[k] = max(timings.get(k, 0.0), val)
-        if wants_png:
+        images = [r["png"] for r in results] if v.output_format == "png" else await asyncio.to_thread(
+            lambda: [encode_image(r["png"], v.output_format, v.output_compression) for r in results])
+        if wants_raw:
             r = results[0]
             return Response(
-                content=r["png"],
-                media_type="image/png",
+                content=images[0],
+                media_type=media_type,
                 headers={
                     "X-Seed": str(r["seed"]),
                     "X-Pool": r["pool"],
@@ -185,9 +188,10 @@ class Ingress:
             )
         return {
             "created": int(time.time()),
-            "data": [{"b64_json": base64.b64encode(r["png"]).decode(), "seed": r["seed"]} for r in results],
+            "data": [{"b64_json": base64.b64encode(im).decode(), "seed": r["seed"]} for im, r in zip(images, results)],
             "model": self.model_name,
             "quality": results[0]["quality"],
+            "output_format": v.output_format,
             "pool": results[0]["pool"],
             "seeds": [r["seed"] for r in results],
             "mounted_sites": max(r["mounted_sites"] for r in results),

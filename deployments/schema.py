@@ -19,6 +19,12 @@ from model.request import QUALITIES, SEED_LIMIT, GenerationRequest, format_size
 
 SEED_MAX = SEED_LIMIT - 1
 
+# OpenAI's quality words -> ours (None: the server's default tier). OpenAI's "high"/"hd" ask for the best image: that
+# is our lossless tier; our own "high" keeps its meaning (the faster, approximate tier), so OpenAI's "high" is not
+# an alias. gpt-image's "low"/"medium" promise a worse image than we are asked to make: refused with the list.
+QUALITY_ALIASES: dict[str, str | None] = {"auto": None, "standard": None, "hd": "lossless"}
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+
 
 class ImageRequest(BaseModel):
     """OpenAI-style `POST /v1/images/generations` body plus fluxserve fields."""
@@ -27,11 +33,12 @@ class ImageRequest(BaseModel):
 
     prompt: StrictStr = Field(description="Text prompt (non-empty).")
     n: StrictInt = Field(1, description="Number of images; image i uses seed + i.")
-    size: StrictStr | None = Field(None, description='"WxH", both multiples of 16; default from config.')
+    size: StrictStr | None = Field(None, description='"WxH", both multiples of 16, or "auto"; default from config.')
     quality: StrictStr = Field(
-        "lossless",
-        description="lossless: byte-identical to diffusers; high: fused GELU epilogues (faster, not bit-exact).",
-        json_schema_extra={"enum": list(QUALITIES)},
+        "auto",
+        description="lossless: byte-identical to diffusers; high: faster, not bit-exact; auto/standard: the server's "
+                    "default tier; hd: lossless.",
+        json_schema_extra={"enum": [*QUALITIES, *QUALITY_ALIASES]},
     )
     steps: StrictInt | None = Field(None, description="Denoising steps; default from config.")
     guidance: StrictFloat | StrictInt | None = Field(None, description="Guidance scale; default from config.")
@@ -42,6 +49,14 @@ class ImageRequest(BaseModel):
         None, description="Per-request deadline (seconds), at most the server's request_timeout_s."
     )
     user: StrictStr | None = Field(None, description="Ignored; accepted for OpenAI clients.")
+    output_format: Literal["png", "jpeg", "webp"] = Field(
+        "png", description="png (the lossless contract holds for its bytes), or lossy jpeg / webp."
+    )
+    output_compression: StrictInt | None = Field(
+        None, description="jpeg / webp quality 0-100 (default 100); not for png."
+    )
+    background: Literal["auto", "opaque"] = Field("auto", description="Images are opaque; transparent is refused.")
+    moderation: Literal["auto", "low"] = Field("auto", description="Accepted for OpenAI clients; no moderation runs.")
 
 
 class ImageDatum(BaseModel):
@@ -49,11 +64,25 @@ class ImageDatum(BaseModel):
     seed: int
 
 
+def encode_image(png: bytes, output_format: str, compression: int) -> bytes:
+    """The replica's PNG as asked: unchanged for png (its bytes are the lossless contract), else re-encoded."""
+    if output_format == "png":
+        return png
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(png)).convert("RGB").save(buf, format=output_format.upper(), quality=compression)
+    return buf.getvalue()
+
+
 class ImageResponse(BaseModel):
     created: int
     data: list[ImageDatum]
     model: str
     quality: str
+    output_format: str
     pool: str
     seeds: list[int]
     mounted_sites: int
@@ -72,13 +101,17 @@ class Validated:
     jobs: list[GenerationRequest]
     timeout_s: float
     size: str
+    output_format: str = "png"
+    output_compression: int = 100
 
 
 def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
     """Apply the deployment's limits and defaults; raise BadRequest with the first problem found."""
     lim = args.limits
-    if req.quality not in QUALITIES:
-        raise BadRequest("quality", f"unknown quality {req.quality!r}; expected one of {list(QUALITIES)}")
+    quality = QUALITY_ALIASES.get(req.quality, req.quality) or args.default_quality
+    if quality not in QUALITIES:
+        raise BadRequest("quality", f"unknown quality {req.quality!r}; expected one of "
+                                    f"{[*QUALITIES, *QUALITY_ALIASES]}")
     if not req.prompt.strip():
         raise BadRequest("prompt", "prompt must not be empty")
     if len(req.prompt) > lim.max_prompt_chars:
@@ -93,7 +126,7 @@ def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
     guidance = float(args.default_guidance if req.guidance is None else req.guidance)
     if not 0.0 <= guidance <= lim.max_guidance:
         raise BadRequest("guidance", f"guidance must be between 0 and {lim.max_guidance}, got {guidance}")
-    size = args.default_size if req.size is None else req.size
+    size = args.default_size if req.size in (None, "auto") else req.size
     height, width = lim.check_size(size)
     if req.seed is not None and not 0 <= req.seed <= SEED_MAX - (req.n - 1):
         raise BadRequest("seed", f"seed must be between 0 and {SEED_MAX - (req.n - 1)}, got {req.seed}")
@@ -107,7 +140,11 @@ def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
                 "timeout_s", f"timeout_s must be > 0 and <= {args.request_timeout_s}, got {req.timeout_s}"
             )
         timeout_s = float(req.timeout_s)
-    jobs = [
-        GenerationRequest(req.prompt, height, width, steps, guidance, seed + i, req.quality) for i in range(req.n)
-    ]
-    return Validated(jobs=jobs, timeout_s=timeout_s, size=format_size(height, width))
+    compression = 100 if req.output_compression is None else req.output_compression
+    if req.output_compression is not None and req.output_format == "png":
+        raise BadRequest("output_compression", "output_compression applies to jpeg and webp only (png is lossless)")
+    if not 0 <= compression <= 100:
+        raise BadRequest("output_compression", f"output_compression must be between 0 and 100, got {compression}")
+    jobs = [GenerationRequest(req.prompt, height, width, steps, guidance, seed + i, quality) for i in range(req.n)]
+    return Validated(jobs=jobs, timeout_s=timeout_s, size=format_size(height, width),
+                     output_format=req.output_format, output_compression=compression)

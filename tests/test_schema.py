@@ -123,3 +123,80 @@ def test_the_http_model_is_strict_about_types(body: dict, field: str) -> None:
     with pytest.raises(ValidationError) as exc:
         ImageRequest(**{"prompt": "x", **body})
     assert exc.value.errors()[0]["loc"][0] == field
+
+
+# ------------------------------------------------------------------------------------------- OpenAI field rules
+
+
+@pytest.mark.parametrize("asked,tier", [(None, "lossless"), ("auto", "lossless"), ("standard", "lossless"),
+                                        ("hd", "lossless"), ("lossless", "lossless"), ("high", "high")])
+def test_quality_words_map_to_tiers(asked: str | None, tier: str) -> None:
+    body = {} if asked is None else {"quality": asked}
+    assert _validate(**body).jobs[0].quality == tier
+
+
+def test_auto_quality_follows_the_configured_default() -> None:
+    high_default = replace(ARGS, default_quality="high")
+    assert _validate(high_default, quality="auto").jobs[0].quality == "high"
+    assert _validate(high_default).jobs[0].quality == "high"
+    assert _validate(high_default, quality="hd").jobs[0].quality == "lossless"  # hd asks for the best image
+    with pytest.raises(ValueError, match="args.default_quality must be one of"):
+        AppArgs.parse({"default_quality": "ultra"})
+
+
+@pytest.mark.parametrize("word", ["low", "medium", "ultra"])
+def test_unknown_quality_words_name_the_accepted_ones(word: str) -> None:
+    with pytest.raises(BadRequest) as exc:
+        _validate(quality=word)
+    assert exc.value.param == "quality"
+    assert exc.value.message == (f"unknown quality {word!r}; expected one of "
+                                 "['lossless', 'high', 'auto', 'standard', 'hd']")
+
+
+def test_size_auto_is_the_configured_default() -> None:
+    v = _validate(size="auto")
+    assert v.size == "256x256" and (v.jobs[0].height, v.jobs[0].width) == (256, 256)
+
+
+def test_output_format_and_compression_rules() -> None:
+    assert (_validate().output_format, _validate().output_compression) == ("png", 100)
+    v = _validate(output_format="jpeg", output_compression=0)
+    assert (v.output_format, v.output_compression) == ("jpeg", 0)
+    assert _validate(output_format="webp").output_compression == 100
+    for body, message in (({"output_format": "png", "output_compression": 50}, "jpeg and webp only"),
+                          ({"output_format": "jpeg", "output_compression": 101}, "between 0 and 100, got 101"),
+                          ({"output_format": "webp", "output_compression": -1}, "between 0 and 100, got -1")):
+        with pytest.raises(BadRequest) as exc:
+            _validate(**body)
+        assert exc.value.param == "output_compression" and message in exc.value.message
+
+
+@pytest.mark.parametrize("body,field", [({"background": "transparent"}, "background"),
+                                        ({"moderation": "strict"}, "moderation"),
+                                        ({"output_format": "gif"}, "output_format")])
+def test_refused_openai_values_name_the_field(body: dict, field: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as exc:
+        ImageRequest(**{"prompt": "x", **body})
+    assert exc.value.errors()[0]["loc"][0] == field
+    ImageRequest(prompt="x", background="opaque", moderation="low", user="u-1")  # the accepted values
+
+
+def test_encode_image_keeps_png_bytes_and_reencodes_lossy_formats() -> None:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from deployments.schema import encode_image
+    from model.pipeline import png_bytes
+
+    rgb = (np.arange(64 * 48 * 3) % 251).astype(np.uint8).reshape(48, 64, 3)
+    png = png_bytes(Image.fromarray(rgb))
+    assert encode_image(png, "png", 100) is png  # the lossless contract's bytes, untouched
+    for fmt, magic in (("jpeg", b"\xff\xd8\xff"), ("webp", b"RIFF")):
+        best, worst = encode_image(png, fmt, 100), encode_image(png, fmt, 5)
+        assert best.startswith(magic) and worst.startswith(magic) and len(worst) < len(best)
+        im = Image.open(io.BytesIO(best))
+        assert im.format == fmt.upper() and im.size == (64, 48)

@@ -388,6 +388,39 @@ def test_malformed_json_is_400(serve_app: dict) -> None:
     assert r.json()["error"]["message"].startswith("malformed JSON body")
 
 
+def test_openai_client_with_openai_fields(serve_app: dict) -> None:
+    """The official `openai` client: "auto" quality and size, the OpenAI tier words, output formats, and a refusal
+    as a typed 400 carrying our reason."""
+    openai = pytest.importorskip("openai")
+    from deployments.schema import encode_image
+
+    client = openai.OpenAI(base_url=serve_app["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    res = client.images.generate(prompt="a red fox", n=2, size="auto", quality="auto",
+                                 extra_body={"seed": 3, "steps": 2})
+    assert [d.seed for d in res.data] == [3, 4]  # our extension fields come through the client's model
+    for i, seed in enumerate((3, 4)):
+        direct = _direct_png(serve_app["pipe"], prompt="a red fox", height=256, width=256, steps=2, guidance=3.5,
+                             seed=seed, quality="lossless")
+        assert base64.b64decode(res.data[i].b64_json) == direct  # auto -> the default tier and size, byte-identical
+    jpeg = client.images.generate(prompt="a red fox", size="128x128", quality="hd", output_format="jpeg",
+                                  output_compression=80, extra_body={"seed": 3, "steps": 2})
+    direct = _direct_png(serve_app["pipe"], prompt="a red fox", height=128, width=128, steps=2, guidance=3.5,
+                         seed=3, quality="lossless")
+    assert base64.b64decode(jpeg.data[0].b64_json) == encode_image(direct, "jpeg", 80)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.images.generate(prompt="a red fox", quality="low")
+    assert exc.value.status_code == 400
+    assert "unknown quality 'low'; expected one of" in str(exc.value)
+
+
+def test_raw_jpeg_with_accept_header(serve_app: dict) -> None:
+    r = _post(serve_app, {"prompt": "a cat", "seed": 9, "size": "64x64", "steps": 1, "output_format": "webp",
+                          "output_compression": 50}, headers={"Accept": "image/webp"})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "image/webp" and r.content[:4] == b"RIFF"
+    assert r.headers["X-Seed"] == "9"
+
+
 def test_png_accept_with_n_above_one_is_400(serve_app: dict) -> None:
     r = _post(serve_app, {"prompt": "x", "n": 2}, headers={"Accept": "image/png"})
     assert r.status_code == 400
