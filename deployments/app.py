@@ -51,6 +51,7 @@ def build_app_with_options(
     `serve.run` instead of a config file; `serve run serve_config.yaml` uses the YAML `deployments:` instead.
     """
     args = AppArgs.parse(raw_args)
+    args.load_api_keys()  # a named keys file that cannot be read fails the deploy here, not in the ingress
     plain = args.to_dict()
     extra = deployment_options or {}
     unknown = set(extra) - {"Ingress", *QUALITIES}

@@ -5,6 +5,7 @@ Kept free of Ray and torch imports so the ingress and the tests can use it cheap
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -94,6 +95,10 @@ class AppArgs:
     batch_wait_timeout_s: float = 0.05
     # Ingress-side deadline for one request (504 after it); a request may ask for less.
     request_timeout_s: float = 300.0
+    # A file of API keys (one per line; blank lines and '#' comments ignored). Set, every route but /healthz needs
+    # `Authorization: Bearer <key>`. Keys stay out of the config (Serve shows deployment args): the config names a
+    # file, or the environment does (FLUXSERVE_API_KEYS_FILE, used when this is unset).
+    api_keys_file: str | None = None
     limits: Limits = field(default_factory=Limits)
     pools: dict[str, PoolArgs] = field(
         default_factory=lambda: {"lossless": PoolArgs(batch_invariant=True), "high": PoolArgs()}
@@ -145,6 +150,20 @@ class AppArgs:
             raise ValueError(f"args.default_size: {exc.message}") from None
         return args
 
+    def load_api_keys(self) -> frozenset[str]:
+        """The API keys to require (empty: no auth). A named file that cannot be read is an error, not "no auth"."""
+        path = self.api_keys_file or os.environ.get(API_KEYS_ENV)
+        if not path:
+            return frozenset()
+        try:
+            lines = open(path, encoding="utf-8").read().splitlines()
+        except OSError as exc:
+            raise ValueError(f"API keys file {path!r}: {exc.strerror}") from None
+        keys = frozenset(ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#"))
+        if not keys:
+            raise ValueError(f"API keys file {path!r} holds no key")
+        return keys
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -155,6 +174,8 @@ class AppArgs:
             return []
         return list(p.compile_sizes) if p.compile_sizes else [self.default_size]
 
+
+API_KEYS_ENV = "FLUXSERVE_API_KEYS_FILE"
 
 # Shapes do not depend on the step count; 2 steps also exercise the second call of each graph.
 COMPILE_WARMUP_STEPS = 2

@@ -22,6 +22,7 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from deployments import auth
 from deployments.config import AppArgs
 from deployments.errors import BadRequest, GenerationFailed, PoolUnavailable
 from deployments.schema import ImageRequest, ImageResponse, encode_image, validate
@@ -63,6 +64,9 @@ async def _on_invalid_body(request: Request, exc: RequestValidationError) -> JSO
     return _error(400, msg, "invalid_request_error", param)
 
 
+api.middleware("http")(auth.require_api_key)
+
+
 # Helpers sit above the deployment class: @serve.deployment serializes the class when it is
 # defined, so module globals it uses must already exist.
 def _cancel(responses: list) -> None:
@@ -87,6 +91,9 @@ class Ingress:
         self, lossless: DeploymentHandle, high: DeploymentHandle, args: dict[str, Any], model_name: str
     ) -> None:
         self.args = AppArgs.parse(args)
+        keys = self.args.load_api_keys()
+        auth.set_keys(keys)
+        logger.info("ingress: API keys %s", f"required ({len(keys)} keys)" if keys else "off")  # never the keys
         self.model_name = model_name
         self.pools: dict[str, DeploymentHandle] = {"lossless": lossless, "high": high}
         self.m_requests = Counter(

@@ -604,6 +604,62 @@ def test_lossless_pool_scales_up_under_load_and_back(autoscale_app: dict) -> Non
     print(f"scaled 1->2 in {up_s:.1f}s")
 
 
+AUTH_APP = "auth"
+
+
+@pytest.fixture
+def auth_app(serve_app: dict, tmp_path: Path):
+    """An app of its own whose ingress requires API keys from a file; deleted after the test."""
+    from ray import serve
+
+    from deployments.app import build_app_with_options
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# fluxserve keys\nsk-test-one\n\nsk-test-two\n")
+    args = {**serve_app["args"], "api_keys_file": str(keys),
+            "pools": {"lossless": {"tp": 1, "cpu_threads": 1}, "high": {"tp": 1, "cpu_threads": 1}}}
+    opts = {q: {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}} for q in ("lossless", "high")}
+    opts["Ingress"] = {"ray_actor_options": {"num_cpus": 0.1}}
+    serve.run(build_app_with_options(args, opts), name=AUTH_APP, route_prefix="/" + AUTH_APP)
+    yield {**serve_app, "url": serve_app["url"] + "/" + AUTH_APP}
+    serve.delete(AUTH_APP)
+
+
+def test_api_keys_guard_every_route_but_healthz(auth_app: dict) -> None:
+    openai = pytest.importorskip("openai")
+    url = auth_app["url"]
+    assert requests.get(url + "/healthz", timeout=10).status_code == 200
+    for path in ("/v1/models", "/docs", "/openapi.json"):
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "sk-test-one"}):
+            r = requests.get(url + path, headers=headers, timeout=10)
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.json()["error"]["type"] == "authentication_error"
+            assert r.headers["WWW-Authenticate"] == "Bearer"
+    ok = requests.get(url + "/v1/models", headers={"Authorization": "Bearer sk-test-two"}, timeout=10)
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"]
+    body = {"prompt": "a key", "size": "64x64", "steps": 1, "seed": 5}
+    assert requests.post(url + "/v1/images/generations", json=body, timeout=60).status_code == 401
+    client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test-one", max_retries=0, timeout=60)
+    res = client.images.generate(prompt="a key", size="64x64", extra_body={"steps": 1, "seed": 5})
+    direct = _direct_png(auth_app["pipe"], prompt="a key", height=64, width=64, steps=1, guidance=3.5, seed=5,
+                         quality="lossless")
+    assert base64.b64decode(res.data[0].b64_json) == direct
+    with pytest.raises(openai.AuthenticationError) as exc:
+        openai.OpenAI(base_url=url + "/v1", api_key="sk-nope", max_retries=0).models.list()
+    assert exc.value.status_code == 401
+
+
+def test_unreadable_api_keys_file_fails_the_build(tmp_path: Path) -> None:
+    from deployments.app import build_app_with_options
+
+    with pytest.raises(ValueError, match="API keys file .*missing.txt"):
+        build_app_with_options({"api_keys_file": str(tmp_path / "missing.txt")})
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# no keys\n\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        build_app_with_options({"api_keys_file": str(empty)})
+
+
 # --------------------------------------------------------------------------------------------------
 # Failure: a dead pool actor gives a 5xx JSON, then Serve replaces it
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,40 @@
+"""Optional API keys for the HTTP app: every route but /healthz needs `Authorization: Bearer <key>` once keys are set.
+
+The keys live here, in a module, because Serve serves a frozen (pickled) copy of the FastAPI app and of the ingress
+class: module-level functions and this module's state are shared by reference, so the ingress sets the keys once
+(`set_keys`) and the middleware of the app actually served reads them. Keys are never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+_keys: frozenset[str] = frozenset()
+
+
+def set_keys(keys: frozenset[str]) -> None:
+    global _keys
+    _keys = frozenset(keys)
+
+
+def _authorized(header: str) -> bool:
+    scheme, _, token = header.partition(" ")
+    # compare_digest against every key: the time taken does not tell how much of a key matched
+    matches = [hmac.compare_digest(token.strip(), k) for k in _keys]
+    return scheme.lower() == "bearer" and any(matches)
+
+
+async def require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
+    """HTTP middleware: a 401 JSON error unless keys are off, the path is /healthz, or the bearer key is known."""
+    if _keys and not request.url.path.rstrip("/").endswith("/healthz"):
+        if not _authorized(request.headers.get("authorization", "")):
+            return JSONResponse(
+                status_code=401, headers={"WWW-Authenticate": "Bearer"},
+                content={"error": {"message": "missing or invalid API key (send Authorization: Bearer <key>)",
+                                   "type": "authentication_error", "param": None}},
+            )
+    return await call_next(request)
