@@ -28,6 +28,8 @@ def pool_options(pool: str, p: PoolArgs, args: AppArgs) -> dict[str, Any]:
         "name": pool,
         # A replica must be able to hold a full batch, or @serve.batch never fills one.
         "max_ongoing_requests": max(2 * args.max_batch_size, 4),
+        # Bounded queue at the callers (the ingress): a burst past it is shed (BackPressureError -> 503).
+        "max_queued_requests": args.max_queued_requests,
     }
     if p.tp > 1:
         # One bundle per rank; the coordinator actor sits in bundle 0 and takes no CPU of its own.

@@ -93,6 +93,9 @@ class AppArgs:
     default_quality: str = "lossless"
     max_batch_size: int = 4
     batch_wait_timeout_s: float = 0.05
+    # Images a pool queues beyond what its replicas hold; past it the ingress sheds with 503 + Retry-After instead
+    # of queueing without bound. -1: no bound.
+    max_queued_requests: int = 64
     # Ingress-side deadline for one request (504 after it); a request may ask for less.
     request_timeout_s: float = 300.0
     # A file of API keys (one per line; blank lines and '#' comments ignored). Set, every route but /healthz needs
@@ -138,6 +141,8 @@ class AppArgs:
             raise ValueError(f"args.default_quality must be one of {QUALITIES}, got {args.default_quality!r}")
         if args.dtype not in DTYPES:
             raise ValueError(f"args.dtype must be one of {DTYPES}, got {args.dtype!r}")
+        if args.max_queued_requests != -1 and args.max_queued_requests < 1:
+            raise ValueError(f"args.max_queued_requests must be >= 1 or -1, got {args.max_queued_requests}")
         if args.max_batch_size < 1:
             raise ValueError("args.max_batch_size must be >= 1")
         if args.request_timeout_s <= 0:

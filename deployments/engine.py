@@ -45,6 +45,8 @@ class Engine(Protocol):
 
     def shutdown(self) -> None: ...
 
+    def release_memory(self) -> None: ...
+
 
 def make_engine(args: AppArgs, pool: str) -> Engine:
     """The engine for one replica of `pool`: in-process at tp == 1, one actor per rank above."""
@@ -108,6 +110,16 @@ class LocalEngine:
 
     def shutdown(self) -> None:
         return None
+
+    def release_memory(self) -> None:
+        """After an out-of-memory batch: drop its tensors and hand the cached blocks back to the device."""
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _rank_actor_class() -> Any:
@@ -240,3 +252,6 @@ class TPEngine:
 
     def stats(self) -> dict[str, Any]:
         return {"cuda_graphs": None}
+
+    def release_memory(self) -> None:
+        return None  # a rank that ran out of memory failed its collective: the group is retired (see generate)

@@ -18,3 +18,7 @@ class PoolUnavailable(RuntimeError):
 
 class GenerationFailed(RuntimeError):
     """The pipeline raised while generating: a 500 with the reason."""
+
+
+class OutOfMemory(RuntimeError):
+    """The device ran out of memory for this batch; the replica freed it and serves on: a 503 with Retry-After."""

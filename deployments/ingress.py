@@ -24,7 +24,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments import auth
 from deployments.config import AppArgs
-from deployments.errors import BadRequest, GenerationFailed, PoolUnavailable
+from deployments.errors import BadRequest, GenerationFailed, OutOfMemory, PoolUnavailable
 from deployments.schema import ImageRequest, ImageResponse, encode_image, validate
 from model.request import QUALITIES
 
@@ -75,6 +75,14 @@ def _cancel(responses: list) -> None:
             r.cancel()
         except Exception:  # already finished or failed: nothing to cancel
             pass
+
+
+RETRY_AFTER_S = 1  # what a shed or out-of-memory request is told to wait before trying again
+
+
+def _retry_later(response: JSONResponse) -> JSONResponse:
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 def _reason(e: BaseException) -> str:
@@ -230,7 +238,14 @@ class Ingress:
         except BadRequest as e:
             _cancel(responses)
             return 400, _error(400, e.message, "invalid_request_error", e.param)
-        except (PoolUnavailable, BackPressureError, ray.exceptions.ActorDiedError,
+        except OutOfMemory as e:
+            _cancel(responses)
+            return 503, _retry_later(_error(503, f"pool {pool!r}: {_reason(e)}", "out_of_memory"))
+        except BackPressureError as e:
+            _cancel(responses)
+            logger.warning("pool %s overloaded: %r", pool, e)
+            return 503, _retry_later(_error(503, f"pool {pool!r} is at capacity: {_reason(e)}", "overloaded"))
+        except (PoolUnavailable, ray.exceptions.ActorDiedError,
                 ray.exceptions.ActorUnavailableError, RequestCancelledError) as e:
             _cancel(responses)
             logger.warning("pool %s unavailable: %r", pool, e)

@@ -21,7 +21,7 @@ from ray import serve
 
 from deployments.config import AppArgs
 from deployments.engine import make_engine
-from deployments.errors import GenerationFailed, PoolUnavailable
+from deployments.errors import GenerationFailed, OutOfMemory, PoolUnavailable
 from model.pipeline import GenerationCancelled
 from model.request import GenerationRequest
 
@@ -36,6 +36,12 @@ class _Ticket:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
+def _is_out_of_memory(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError)
+
+
 @serve.deployment(max_ongoing_requests=8)
 class FluxReplica:
     """One replica of a pool; bound twice by the builder (names "lossless" and "high")."""
@@ -47,6 +53,7 @@ class FluxReplica:
         self._batch_count = 0
         self._cancelled_batches = 0
         self._images = 0
+        self._out_of_memory = 0
         self._busy = asyncio.Lock()
         # The batch queue is per process (one replica per process): configure it from the YAML args.
         self._batched.set_max_batch_size(self.args.max_batch_size)
@@ -106,6 +113,15 @@ class FluxReplica:
         except PoolUnavailable:
             raise
         except Exception as exc:
+            if _is_out_of_memory(exc):
+                # This batch fails alone: free what it held, count it, keep serving.
+                self._out_of_memory += 1
+                self.engine.release_memory()
+                logger.warning("pool %s: out of memory (%d images at %dx%d); memory released", self.pool,
+                               len(requests), requests[0].width, requests[0].height)
+                raise OutOfMemory(f"out of memory generating {len(requests)} image(s) at "
+                                  f"{requests[0].width}x{requests[0].height}; the replica freed its memory and "
+                                  "keeps serving: retry, or ask for fewer or smaller images") from None
             logger.exception("pool %s: generation failed", self.pool)
             raise GenerationFailed(f"{type(exc).__name__}: {exc}") from None
         wall = time.perf_counter() - t0
@@ -132,6 +148,7 @@ class FluxReplica:
             "batches": self._batch_count,
             "cancelled_batches": self._cancelled_batches,
             "images": self._images,
+            "out_of_memory": self._out_of_memory,
             "replica_id": serve.get_replica_context().replica_id.unique_id,
             # captures / replays / eager fallbacks of the CUDA-graph cache (None: graphs off)
             **self.engine.stats(),

@@ -5,6 +5,7 @@ Faults are keyed by the exact prompt, so a test can slow down its own request wi
 
     FLUXSERVE_FAULTS='{"<prompt>": {"step_delay_s": 0.5}}'     each step of that prompt's batch sleeps 0.5 s
     FLUXSERVE_FAULTS='{"<prompt>": {"raise_at_step": 1, "error": "..."}}'   raise RuntimeError(error) after step 1
+    FLUXSERVE_FAULTS='{"<prompt>": {"oom_at_step": 0}}'        raise torch.OutOfMemoryError after step 0
 
 The variable is read by every process that runs a pipeline (Serve replicas and TP ranks inherit the environment of
 the Ray cluster that started them), so tests set it before they start Ray.
@@ -45,3 +46,7 @@ def after_step(prompts: list[str], step: int) -> None:
             time.sleep(float(fault["step_delay_s"]))
         if fault.get("raise_at_step") == step:
             raise RuntimeError(str(fault.get("error", "injected fault")))
+        if fault.get("oom_at_step") == step:
+            import torch
+
+            raise torch.OutOfMemoryError("injected fault: CUDA out of memory (model.faults)")

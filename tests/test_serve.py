@@ -45,6 +45,7 @@ TP_HIGH = 2
 SLOW = "slow request for a deadline test"
 BLOCKER = "blocker request keeping a replica busy"
 STEP_DELAY_S = {SLOW: 0.5, BLOCKER: 0.5}
+OOM = "request that runs out of memory"
 
 
 def _ray_env(tmp_root: str) -> dict[str, str]:
@@ -57,7 +58,8 @@ def _ray_env(tmp_root: str) -> dict[str, str]:
         "RAY_TMPDIR": tmp_root,
         "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
         "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-        "FLUXSERVE_FAULTS": json.dumps({p: {"step_delay_s": d} for p, d in STEP_DELAY_S.items()}),
+        "FLUXSERVE_FAULTS": json.dumps({**{p: {"step_delay_s": d} for p, d in STEP_DELAY_S.items()},
+                                        OOM: {"oom_at_step": 0}}),
     }
 
 
@@ -206,7 +208,8 @@ def _pool_stats(pool: str, app: str = APP) -> dict:
         seen[s["replica_id"]] = s
     assert len(seen) == want, f"{len(seen)} of {want} replicas of {pool!r} answered"
     first = next(iter(seen.values()))
-    summed = {k: sum(s[k] for s in seen.values()) for k in ("batches", "cancelled_batches", "images")}
+    summed = {k: sum(s[k] for s in seen.values())
+              for k in ("batches", "cancelled_batches", "images", "out_of_memory")}
     return {"pool": first["pool"], "tp": first["tp"], "replicas": len(seen), **summed}
 
 
@@ -658,6 +661,75 @@ def test_unreadable_api_keys_file_fails_the_build(tmp_path: Path) -> None:
     empty.write_text("# no keys\n\n")
     with pytest.raises(ValueError, match="holds no key"):
         build_app_with_options({"api_keys_file": str(empty)})
+
+
+@pytest.mark.parametrize("pool", ["lossless", "high"])
+def test_out_of_memory_fails_alone_and_the_replica_serves_on(serve_app: dict, pool: str) -> None:
+    """A batch that runs out of device memory (injected: model.faults raises torch.OutOfMemoryError) is a 503 with
+    the reason and Retry-After; on a TP pool the ranks' group is retired and the replica replaced; either way the
+    next request is answered."""
+    r = _post(serve_app, {"prompt": OOM, "size": "64x64", "steps": 2, "quality": pool})
+    assert r.status_code == 503, r.text
+    if pool == "lossless":  # tp 1: the replica itself caught it, freed memory and counted it
+        assert "out of memory generating 1 image(s) at 64x64" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "out_of_memory" and r.headers["Retry-After"] == "1"
+        assert _pool_stats(pool)["out_of_memory"] >= 1
+    deadline, ok = time.time() + 60, None
+    while time.time() < deadline:
+        ok = _post(serve_app, {"prompt": "after the oom", "size": "64x64", "steps": 1, "seed": 1, "quality": pool})
+        if ok.status_code == 200:
+            break
+        assert ok.status_code == 503, ok.text
+        time.sleep(1)
+    assert ok is not None and ok.status_code == 200, ok.text
+
+
+BURST_APP = "burst"
+
+
+@pytest.fixture
+def burst_app(serve_app: dict):
+    """One lossless replica that holds 4 requests and queues 2 more; deleted after the test."""
+    from ray import serve
+
+    from deployments.app import build_app_with_options
+
+    args = {**serve_app["args"], "max_batch_size": 1, "max_queued_requests": 2,
+            "pools": {"lossless": {"tp": 1, "cpu_threads": 1}, "high": {"tp": 1, "cpu_threads": 1}}}
+    opts = {q: {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}} for q in ("lossless", "high")}
+    opts["Ingress"] = {"ray_actor_options": {"num_cpus": 0.1}}
+    serve.run(build_app_with_options(args, opts), name=BURST_APP, route_prefix="/" + BURST_APP)
+    yield {**serve_app, "url": serve_app["url"] + "/" + BURST_APP}
+    serve.delete(BURST_APP)
+
+
+def test_a_burst_beyond_capacity_is_shed_and_nothing_is_lost(burst_app: dict) -> None:
+    """12 slow requests at once against room for 4 + 2: every request gets exactly one answer, either its own
+    image (by its seed) or a 503 with Retry-After; none hangs, none is answered twice or with another's image."""
+    n = 12
+
+    async def burst() -> list:
+        async with httpx.AsyncClient(timeout=120) as c:
+            url = burst_app["url"] + "/v1/images/generations"
+            return await asyncio.gather(*[c.post(url, json={"prompt": SLOW, "size": "64x64", "steps": 2, "seed": i})
+                                          for i in range(n)])
+
+    answers = asyncio.run(burst())
+    seen = [(r.status_code, r.text[:200] if r.status_code != 200 else "") for r in answers]
+    ok = [i for i, r in enumerate(answers) if r.status_code == 200]
+    shed = [i for i, r in enumerate(answers) if r.status_code == 503]
+    assert len(ok) + len(shed) == n, seen
+    assert len(ok) >= 4 and len(shed) >= 1, seen
+    for i in ok:
+        assert answers[i].json()["seeds"] == [i]
+    pngs = {base64.b64decode(answers[i].json()["data"][0]["b64_json"]) for i in ok}
+    assert len(pngs) == len(ok)  # distinct seeds, distinct images: nothing duplicated
+    for i in shed:
+        err = answers[i].json()["error"]
+        assert err["type"] == "overloaded" and "at capacity" in err["message"], seen
+        assert answers[i].headers["Retry-After"] == "1"
+    later = _post(burst_app, {"prompt": "after the burst", "size": "64x64", "steps": 1})
+    assert later.status_code == 200, (later.text, seen)
 
 
 # --------------------------------------------------------------------------------------------------
