@@ -112,14 +112,7 @@ class LocalEngine:
         return None
 
     def release_memory(self) -> None:
-        """After an out-of-memory batch: drop its tensors and hand the cached blocks back to the device."""
-        import gc
-
-        import torch
-
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        self.pipe.release_memory()
 
 
 def _rank_actor_class() -> Any:

@@ -284,6 +284,16 @@ class FluxServePipeline:
                                  fast_norm_sites=report.fast_norm_sites)
                 for r, lat, png in zip(requests, latents, pngs)]
 
+    def release_memory(self) -> None:
+        """After a failed (e.g. out-of-memory) batch: drop what it held and hand cached device blocks back."""
+        import gc
+
+        import torch
+
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _fast_norm_applies(self) -> bool:
         # The fast LayerNorm+modulate kernel exists for CUDA fp16/bf16 only; elsewhere the sites stay exact.
         import torch

@@ -32,7 +32,7 @@ def gpu_stock(tiny_path):
 
 def _stock(pipe, prompts, seeds, steps, size):
     common = dict(prompt=prompts, height=size, width=size, num_inference_steps=steps, guidance_scale=3.5,
-                  max_sequence_length=min(512, pipe.tokenizer_2.model_max_length))
+                  max_sequence_length=32)  # the tiny preset's T5 length (its tokenizer's model_max_length)
     packed = pipe(**common, generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="latent").images
     latents = pipe._unpack_latents(packed, size, size, pipe.vae_scale_factor).cpu()
     import io
@@ -122,3 +122,29 @@ def test_gpu_high_fast_norm_switches_sites_and_stays_close(gpu_pipe) -> None:
     assert torch.equal(again.latents, lossless.latents) and again.png == lossless.png
     print(f"tiny bf16 high+fast_norm vs lossless: PSNR {psnr(fast.png, lossless.png):.2f} dB, "
           f"SSIM {ssim(fast.png, lossless.png):.5f}")
+
+
+def test_gpu_a_real_out_of_memory_batch_fails_alone_and_memory_comes_back(gpu_pipe) -> None:
+    """A batch the allocator cannot hold (the process capped at a small fraction of the H200) raises torch's
+    OutOfMemoryError out of generate; release_memory() returns what it held, and the next request succeeds with the
+    same bytes as before."""
+    small = GenerationRequest("after the oom", height=256, width=256, steps=2, seed=3)
+    before = gpu_pipe.generate([small])[0]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # earlier tests' cached blocks would otherwise serve the big batch under the cap
+    baseline = torch.cuda.memory_allocated()
+    # reserved also counts what empty_cache cannot return (earlier tests' CUDA-graph pools): the cap sits above it
+    reserved = torch.cuda.memory_reserved()
+    headroom = 512 * 2**20  # the small request fits; 16 images at 2048^2 (1 GiB per VAE activation) do not
+    torch.cuda.set_per_process_memory_fraction((reserved + headroom) / torch.cuda.get_device_properties(0).total_memory)
+    try:
+        big = [GenerationRequest("too big", height=2048, width=2048, steps=1, seed=i) for i in range(16)]
+        with pytest.raises(torch.OutOfMemoryError):
+            gpu_pipe.generate(big)
+        gpu_pipe.release_memory()
+        assert torch.cuda.memory_allocated() <= baseline + 64 * 2**20  # the failed batch's tensors are gone
+        assert torch.cuda.memory_reserved() <= reserved + 64 * 2**20  # and the cache handed its blocks back
+        after = gpu_pipe.generate([small])[0]
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert after.png == before.png and kernels.mounted_sites(gpu_pipe.transformer) == []
