@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import io
 import json
@@ -607,25 +608,32 @@ def test_lossless_pool_scales_up_under_load_and_back(autoscale_app: dict) -> Non
     print(f"scaled 1->2 in {up_s:.1f}s")
 
 
-AUTH_APP = "auth"
-
-
-@pytest.fixture
-def auth_app(serve_app: dict, tmp_path: Path):
-    """An app of its own whose ingress requires API keys from a file; deleted after the test."""
+@contextlib.contextmanager
+def _side_app(serve_app: dict, name: str, **args: Any):
+    """A small app of its own next to the session app (tp 1 pools, one replica each, the session's other args with
+    `args` on top), at route prefix /<name>; deleted on exit."""
     from ray import serve
 
     from deployments.app import build_app_with_options
 
-    keys = tmp_path / "keys.txt"
-    keys.write_text("# fluxserve keys\nsk-test-one\n\nsk-test-two\n")
-    args = {**serve_app["args"], "api_keys_file": str(keys),
+    full = {**serve_app["args"], **args,
             "pools": {"lossless": {"tp": 1, "cpu_threads": 1}, "high": {"tp": 1, "cpu_threads": 1}}}
     opts = {q: {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}} for q in ("lossless", "high")}
     opts["Ingress"] = {"ray_actor_options": {"num_cpus": 0.1}}
-    serve.run(build_app_with_options(args, opts), name=AUTH_APP, route_prefix="/" + AUTH_APP)
-    yield {**serve_app, "url": serve_app["url"] + "/" + AUTH_APP}
-    serve.delete(AUTH_APP)
+    serve.run(build_app_with_options(full, opts), name=name, route_prefix="/" + name)
+    try:
+        yield {**serve_app, "url": serve_app["url"] + "/" + name}
+    finally:
+        serve.delete(name)
+
+
+@pytest.fixture
+def auth_app(serve_app: dict, tmp_path: Path):
+    """An app whose ingress requires API keys from a file."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# fluxserve keys\nsk-test-one\n\nsk-test-two\n")
+    with _side_app(serve_app, "auth", api_keys_file=str(keys)) as app:
+        yield app
 
 
 def test_api_keys_guard_every_route_but_healthz(auth_app: dict) -> None:
@@ -684,23 +692,11 @@ def test_out_of_memory_fails_alone_and_the_replica_serves_on(serve_app: dict, po
     assert ok is not None and ok.status_code == 200, ok.text
 
 
-BURST_APP = "burst"
-
-
 @pytest.fixture
 def burst_app(serve_app: dict):
-    """One lossless replica that holds 4 requests and queues 2 more; deleted after the test."""
-    from ray import serve
-
-    from deployments.app import build_app_with_options
-
-    args = {**serve_app["args"], "max_batch_size": 1, "max_queued_requests": 2,
-            "pools": {"lossless": {"tp": 1, "cpu_threads": 1}, "high": {"tp": 1, "cpu_threads": 1}}}
-    opts = {q: {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}} for q in ("lossless", "high")}
-    opts["Ingress"] = {"ray_actor_options": {"num_cpus": 0.1}}
-    serve.run(build_app_with_options(args, opts), name=BURST_APP, route_prefix="/" + BURST_APP)
-    yield {**serve_app, "url": serve_app["url"] + "/" + BURST_APP}
-    serve.delete(BURST_APP)
+    """One lossless replica that holds 4 requests and queues 2 more."""
+    with _side_app(serve_app, "burst", max_batch_size=1, max_queued_requests=2) as app:
+        yield app
 
 
 def test_a_burst_beyond_capacity_is_shed_and_nothing_is_lost(burst_app: dict) -> None:
