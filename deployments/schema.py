@@ -23,7 +23,6 @@ SEED_MAX = SEED_LIMIT - 1
 # is our lossless tier; our own "high" keeps its meaning (the faster, approximate tier), so OpenAI's "high" is not
 # an alias. gpt-image's "low"/"medium" promise a worse image than we are asked to make: refused with the list.
 QUALITY_ALIASES: dict[str, str | None] = {"auto": None, "standard": None, "hd": "lossless"}
-OUTPUT_FORMATS = ("png", "jpeg", "webp")
 
 
 class ImageRequest(BaseModel):

@@ -49,19 +49,9 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def describe() -> dict[str, dict[str, object]]:
-    """name -> {value, default, doc}: what `python -m kernels` and the benches print."""
-    return {n: {"value": s.value, "default": s.default, "doc": s.doc} for n, s in sorted(_REGISTRY.items())}
-
-
 def signature() -> tuple[tuple[str, bool], ...]:
     """Every switch's current value, sorted by name."""
     return tuple((n, s.value) for n, s in sorted(_REGISTRY.items()))
-
-
-def reset_defaults() -> None:
-    for s in _REGISTRY.values():
-        s.value = s.default
 
 
 @contextmanager

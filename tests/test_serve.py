@@ -545,30 +545,41 @@ def test_cancelled_request_does_not_fail_its_batch_neighbour(serve_app: dict) ->
 AUTOSCALE_APP = "autoscale"
 
 
-@pytest.fixture
-def autoscale_app(serve_app: dict):
-    """An app of its own whose lossless pool autoscales 1..2 (short delays); deleted after the test."""
+@contextlib.contextmanager
+def _side_app(serve_app: dict, name: str, lossless_options: dict | None = None, **args: Any):
+    """A small app of its own next to the session app (tp 1 pools, one replica each unless `lossless_options`
+    replaces the lossless pool's deployment options; the session's other args with `args` on top), at route prefix
+    /<name>; deleted on exit."""
     from ray import serve
 
     from deployments.app import build_app_with_options
 
-    args = {**serve_app["args"], "pools": {"lossless": {"tp": 1, "cpu_threads": 1},
-                                          "high": {"tp": 1, "cpu_threads": 1}}}
-    opts = {
-        "lossless": {
-            "autoscaling_config": {
-                "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
-                "target_ongoing_requests": 1, "upscale_delay_s": 0.5, "downscale_delay_s": 3,
-                "look_back_period_s": 2, "metrics_interval_s": 0.5,
-            },
-            "ray_actor_options": {"num_cpus": 1},
+    full = {**serve_app["args"], **args,
+            "pools": {"lossless": {"tp": 1, "cpu_threads": 1}, "high": {"tp": 1, "cpu_threads": 1}}}
+    opts = {q: {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}} for q in ("lossless", "high")}
+    opts["Ingress"] = {"ray_actor_options": {"num_cpus": 0.1}}
+    if lossless_options is not None:
+        opts["lossless"] = lossless_options
+    serve.run(build_app_with_options(full, opts), name=name, route_prefix="/" + name)
+    try:
+        yield {**serve_app, "url": serve_app["url"] + "/" + name}
+    finally:
+        serve.delete(name)
+
+
+@pytest.fixture
+def autoscale_app(serve_app: dict):
+    """An app whose lossless pool autoscales 1..2 (short delays)."""
+    autoscaling = {
+        "autoscaling_config": {
+            "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
+            "target_ongoing_requests": 1, "upscale_delay_s": 0.5, "downscale_delay_s": 3,
+            "look_back_period_s": 2, "metrics_interval_s": 0.5,
         },
-        "high": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}},
-        "Ingress": {"ray_actor_options": {"num_cpus": 0.1}},
+        "ray_actor_options": {"num_cpus": 1},
     }
-    serve.run(build_app_with_options(args, opts), name=AUTOSCALE_APP, route_prefix="/" + AUTOSCALE_APP)
-    yield {**serve_app, "url": serve_app["url"] + "/" + AUTOSCALE_APP}
-    serve.delete(AUTOSCALE_APP)
+    with _side_app(serve_app, AUTOSCALE_APP, lossless_options=autoscaling) as app:
+        yield app
 
 
 def test_lossless_pool_scales_up_under_load_and_back(autoscale_app: dict) -> None:
@@ -606,25 +617,6 @@ def test_lossless_pool_scales_up_under_load_and_back(autoscale_app: dict) -> Non
     # The session app's pools never moved.
     assert _replicas("lossless") == 1 and _replicas("high") == 1
     print(f"scaled 1->2 in {up_s:.1f}s")
-
-
-@contextlib.contextmanager
-def _side_app(serve_app: dict, name: str, **args: Any):
-    """A small app of its own next to the session app (tp 1 pools, one replica each, the session's other args with
-    `args` on top), at route prefix /<name>; deleted on exit."""
-    from ray import serve
-
-    from deployments.app import build_app_with_options
-
-    full = {**serve_app["args"], **args,
-            "pools": {"lossless": {"tp": 1, "cpu_threads": 1}, "high": {"tp": 1, "cpu_threads": 1}}}
-    opts = {q: {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}} for q in ("lossless", "high")}
-    opts["Ingress"] = {"ray_actor_options": {"num_cpus": 0.1}}
-    serve.run(build_app_with_options(full, opts), name=name, route_prefix="/" + name)
-    try:
-        yield {**serve_app, "url": serve_app["url"] + "/" + name}
-    finally:
-        serve.delete(name)
 
 
 @pytest.fixture
