@@ -692,8 +692,12 @@ def burst_app(serve_app: dict):
 
 
 def test_a_burst_beyond_capacity_is_shed_and_nothing_is_lost(burst_app: dict) -> None:
-    """12 slow requests at once against room for 4 + 2: every request gets exactly one answer, either its own
-    image (by its seed) or a 503 with Retry-After; none hangs, none is answered twice or with another's image."""
+    """12 slow requests at once against a queue of 2: every request gets exactly one answer, either its own image
+    (by its seed) or a 503 with Retry-After; none hangs, none is answered twice or with another's image.
+
+    How many are served depends on how fast the router hands queued requests to the replica (its 4 slots) while the
+    burst arrives, so only what the bound guarantees is asserted: the first max_queued_requests are admitted and
+    served, and the burst is too large for all of them to be."""
     n = 12
 
     async def burst() -> list:
@@ -707,7 +711,7 @@ def test_a_burst_beyond_capacity_is_shed_and_nothing_is_lost(burst_app: dict) ->
     ok = [i for i, r in enumerate(answers) if r.status_code == 200]
     shed = [i for i, r in enumerate(answers) if r.status_code == 503]
     assert len(ok) + len(shed) == n, seen
-    assert len(ok) >= 4 and len(shed) >= 1, seen
+    assert len(ok) >= 2 and len(shed) >= 1, seen
     for i in ok:
         assert answers[i].json()["seeds"] == [i]
     pngs = {base64.b64decode(answers[i].json()["data"][0]["b64_json"]) for i in ok}
