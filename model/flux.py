@@ -13,7 +13,10 @@ timestep/guidance/text embedders and the final `AdaLayerNormContinuous`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
@@ -49,6 +52,9 @@ IN_PLACE = switches.register("single_block_in_place", True,
 
 __all__ = [
     "FluxTransformer",
+    "StepExecution",
+    "running",
+    "execution_of",
     "FluxTransformerBlock",
     "FluxSingleTransformerBlock",
     "FluxAttention",
@@ -375,6 +381,39 @@ def run_single_block(
     return block.forward_joint(joint, temb, image_rotary_emb)
 
 
+@dataclass(frozen=True)
+class StepExecution:
+    """How one batch runs a transformer's forward: compiled block runners (double, single) and/or CUDA-graph
+    replay (a `model.graphs.StepGraphs`). None of it is stored on the model: `running` scopes it to the calling
+    thread for one batch, so two threads (or a finished batch) never see another batch's choice."""
+
+    transformer: nn.Module
+    block_runners: tuple[Any, Any] | None = None
+    step_graphs: StepGraphs | None = None
+
+
+_EXECUTION: ContextVar[StepExecution | None] = ContextVar("fluxserve_step_execution", default=None)
+
+
+@contextmanager
+def running(transformer: nn.Module, *, block_runners: tuple[Any, Any] | None = None,
+            step_graphs: StepGraphs | None = None) -> Iterator[StepExecution]:
+    """Run `transformer`'s forwards in this thread with these block runners / step graphs until the block ends."""
+    if block_runners is not None and step_graphs is not None:
+        raise ValueError("compiled block runners never replay CUDA graphs: pass one or the other")
+    token = _EXECUTION.set(StepExecution(transformer, block_runners, step_graphs))
+    try:
+        yield _EXECUTION.get()
+    finally:
+        _EXECUTION.reset(token)
+
+
+def execution_of(transformer: nn.Module) -> StepExecution | None:
+    """The execution `running` set for `transformer` in this thread, or None (eager blocks, no graphs)."""
+    ex = _EXECUTION.get()
+    return ex if ex is not None and ex.transformer is transformer else None
+
+
 class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, AttentionMixin):
     """FLUX.1 transformer, drop-in for diffusers' `FluxTransformer2DModel` (same config, weights, forward)."""
 
@@ -420,12 +459,6 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         self.norm_out = AdaLayerNormContinuous(self.inner_dim, self.inner_dim, elementwise_affine=False, eps=1e-6)
         self.proj_out = nn.Linear(self.inner_dim, patch_size * patch_size * self.out_channels, bias=True)
         self.gradient_checkpointing = False
-        # (double, single) block runners; None: `run_double_block` / `run_single_block` eagerly. The pipeline sets
-        # compiled versions for a compiled "high" batch only and clears them after, so other batches stay eager.
-        self.block_runners: tuple[Any, Any] | None = None
-        # CUDA-graph replay of this forward (model.graphs.StepGraphs), set by the pipeline for one batch at a time;
-        # None: eager. It calls `_forward_eager` to warm up, capture and fall back.
-        self.step_graphs: StepGraphs | None = None
 
     @apply_lora_scale("joint_attention_kwargs")
     def forward(
@@ -443,8 +476,8 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         return_dict: bool = True,
         controlnet_blocks_repeat: bool = False,
     ) -> torch.Tensor | Transformer2DModelOutput:
-        """Same arguments and result as diffusers' `FluxTransformer2DModel.forward` (see `_forward_eager`); with
-        `step_graphs` set, replayed from a CUDA graph where the inputs allow it (bit-identical)."""
+        """Same arguments and result as diffusers' `FluxTransformer2DModel.forward` (see `_forward_eager`); inside
+        `running(self, step_graphs=...)`, replayed from a CUDA graph where the inputs allow it (bit-identical)."""
         kwargs = dict(
             hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
             pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids, txt_ids=txt_ids,
@@ -453,8 +486,9 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
             controlnet_single_block_samples=controlnet_single_block_samples, return_dict=return_dict,
             controlnet_blocks_repeat=controlnet_blocks_repeat,
         )
-        if self.step_graphs is not None:
-            return self.step_graphs(self, self._forward_eager, kwargs)
+        ex = execution_of(self)
+        if ex is not None and ex.step_graphs is not None:
+            return ex.step_graphs(self, self._forward_eager, kwargs)
         return self._forward_eager(**kwargs)
 
     def _forward_eager(
@@ -499,7 +533,8 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         image_rotary_emb = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
 
         checkpointing = torch.is_grad_enabled() and self.gradient_checkpointing
-        run_double, run_single = self.block_runners or (run_double_block, run_single_block)
+        ex = execution_of(self)
+        run_double, run_single = (ex and ex.block_runners) or (run_double_block, run_single_block)
         for index_block, block in enumerate(self.transformer_blocks):
             args = (hidden_states, encoder_hidden_states, temb, image_rotary_emb)
             if checkpointing:

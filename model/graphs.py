@@ -129,9 +129,10 @@ class _CapturedStep:
 class StepGraphs:
     """CUDA graphs of one transformer's forward, an LRU of at most `max_graphs` signatures sharing one memory pool.
 
-    Attach as `FluxTransformer.step_graphs`; the forward then calls `self(module, module._forward_eager, kwargs)`.
+    Pass to `model.flux.running(transformer, step_graphs=...)`; the forward then calls
+    `self(module, module._forward_eager, kwargs)`.
     Falls back to the eager forward (never capturing) for CPU tensors, autograd, torch.compile tracing, a capture
-    already in progress, compiled block runners, a diffusers cache, LoRA/PEFT layers, `joint_attention_kwargs`,
+    already in progress, a diffusers cache, LoRA/PEFT layers, `joint_attention_kwargs`,
     ControlNet inputs, layouts a static buffer cannot reproduce, and signatures whose capture failed once.
     Counters: `captures`, `replays`, `eager_fallbacks` (with `fallback_reasons`), `evictions`, `capture_failures`.
     """
@@ -181,8 +182,6 @@ class StepGraphs:
             return "compiling"
         if torch.is_grad_enabled():
             return "grad"
-        if getattr(module, "block_runners", None) is not None:
-            return "block_runners"
         if module.training:
             return "training"
         if torch.is_autocast_enabled("cuda"):

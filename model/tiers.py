@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import kernels
 from kernels.modulate import fast_norm_sites, set_fast_norm
+from model.flux import running
 from model.request import Quality
 
 if TYPE_CHECKING:
@@ -59,8 +60,6 @@ class TierReport:
 
 
 def _restore_lossless(transformer: torch.nn.Module) -> None:
-    transformer.block_runners = None
-    transformer.step_graphs = None
     if kernels.mounted_sites(transformer):
         kernels.unmount(transformer)
     set_fast_norm(transformer, False)
@@ -77,6 +76,7 @@ def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
     """
     _restore_lossless(transformer)  # lossless must never run on a site a previous batch left switched
     report = TierReport()
+    runners = graphs = None
     try:
         if plan.mount_gelu:
             report.mount_report = kernels.mount(transformer)
@@ -92,14 +92,15 @@ def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
         if plan.compiled:
             if block_runners is None:
                 raise ValueError("a compiled plan needs the compiled block runners")
-            transformer.block_runners = block_runners
+            runners = block_runners
         if plan.cuda_graphs:
             if step_graphs is None:
                 raise ValueError("a CUDA-graph plan needs the step-graph cache")
             # Mounted / switched sites run other kernels than lossless: a separate graph per (tier, mounted GELU
             # sites, fast norm sites).
             step_graphs.mode = (plan.quality, report.mounted_sites, report.fast_norm_sites)
-            transformer.step_graphs = step_graphs
-        yield report
+            graphs = step_graphs
+        with running(transformer, block_runners=runners, step_graphs=graphs):
+            yield report
     finally:
         _restore_lossless(transformer)

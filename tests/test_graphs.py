@@ -23,7 +23,7 @@ import kernels
 import kernels.gelu as G
 import model.graphs as graphs_mod
 from deployments.config import AppArgs
-from model.flux import FluxTransformer, run_double_block, run_single_block
+from model.flux import FluxTransformer, execution_of, run_double_block, run_single_block, running
 from model.graphs import StepGraphs
 from model.loading import load_pipeline
 from model.pipeline import GenerationRequest
@@ -62,18 +62,26 @@ def _inputs(batch: int, seed: int, device: str = "cpu", dtype: torch.dtype = tor
     return out
 
 
+_ATTACHED: dict[int, StepGraphs] = {}  # model id -> the graphs `_graphed` runs it with (the model holds none)
+
+
+def _attach(m: FluxTransformer, sg: StepGraphs) -> StepGraphs:
+    _ATTACHED[id(m)] = sg
+    return sg
+
+
+def _detach(m: FluxTransformer) -> None:
+    _ATTACHED.pop(id(m), None)
+
+
 def _eager(m: FluxTransformer, inputs: dict[str, Any]) -> torch.Tensor:
-    saved, m.step_graphs = m.step_graphs, None
-    try:
-        with torch.no_grad():
-            return m(**inputs)[0]
-    finally:
-        m.step_graphs = saved
+    assert execution_of(m) is None
+    with torch.no_grad():
+        return m(**inputs)[0]
 
 
 def _graphed(m: FluxTransformer, inputs: dict[str, Any]) -> torch.Tensor:
-    assert m.step_graphs is not None
-    with torch.no_grad():
+    with running(m, step_graphs=_ATTACHED[id(m)]), torch.no_grad():
         return m(**inputs)[0]
 
 
@@ -84,11 +92,11 @@ def _graphed(m: FluxTransformer, inputs: dict[str, Any]) -> torch.Tensor:
 
 def test_cpu_falls_back_to_eager_with_the_plain_forwards_result() -> None:
     m = _model()
-    sg = m.step_graphs = StepGraphs()
+    sg = _attach(m, StepGraphs())
     for batch in (1, 2):
         inputs = _inputs(batch, seed=batch)
         assert torch.equal(_graphed(m, inputs), _eager(m, inputs))
-    with torch.no_grad():
+    with running(m, step_graphs=sg), torch.no_grad():
         as_dict = m(**{**_inputs(1, seed=1), "return_dict": True})
     assert type(as_dict).__name__ == "Transformer2DModelOutput"
     assert torch.equal(as_dict.sample, _eager(m, _inputs(1, seed=1)))
@@ -96,26 +104,36 @@ def test_cpu_falls_back_to_eager_with_the_plain_forwards_result() -> None:
     assert (sg.captures, sg.replays, sg.eager_fallbacks) == (0, 0, 3)
 
 
-@pytest.mark.parametrize("reason", ["grad", "block_runners", "joint_attention_kwargs", "controlnet", "training"])
+@pytest.mark.parametrize("reason", ["grad", "joint_attention_kwargs", "controlnet", "training"])
 def test_each_unsupported_call_runs_eager_for_its_reason(reason: str) -> None:
     """The checks that come before the device check, so they are told apart on the CPU too."""
     m = _model()
     inputs = _inputs(2, seed=3)
     expected = _eager(m, inputs)
-    sg = m.step_graphs = StepGraphs()
+    sg = _attach(m, StepGraphs())
     grad = reason == "grad"
-    if reason == "block_runners":
-        m.block_runners = (run_double_block, run_single_block)
-    elif reason == "joint_attention_kwargs":
+    if reason == "joint_attention_kwargs":
         inputs["joint_attention_kwargs"] = {"unused": 1}
     elif reason == "controlnet":
         # zero residuals keep the result comparable with the plain forward
         inputs["controlnet_block_samples"] = [torch.zeros(2, IMG, m.inner_dim)]
     elif reason == "training":
         m.train()  # dropout p=0: same values
-    with torch.set_grad_enabled(grad):
+    with running(m, step_graphs=sg), torch.set_grad_enabled(grad):
         assert torch.equal(m(**inputs)[0].detach(), expected)
     assert sg.stats()["fallback_reasons"] == {reason: 1}
+
+
+def test_graphs_and_compiled_runners_never_run_together_and_leave_no_state_on_the_model() -> None:
+    m = _model()
+    with pytest.raises(ValueError, match="never replay"):
+        with running(m, block_runners=(run_double_block, run_single_block), step_graphs=StepGraphs()):
+            pass
+    sg = StepGraphs()
+    with running(m, step_graphs=sg) as ex:
+        assert execution_of(m) is ex and execution_of(_model()) is None  # scoped to this transformer
+    assert execution_of(m) is None
+    assert not any(isinstance(v, StepGraphs) for v in vars(m).values())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -191,7 +209,7 @@ def test_a_graph_is_never_replayed_across_a_kernel_switch_change(switch: str) ->
 
     assert switch in switches.names()  # the model's and the kernels' switches are all registered
     m = _model()
-    sg = m.step_graphs = _PolicyOnly(max_graphs=4)
+    sg = _attach(m, _PolicyOnly(max_graphs=4))
     inputs = _inputs(1, seed=1)
     _graphed(m, inputs)
     _graphed(m, inputs)
@@ -205,7 +223,7 @@ def test_a_graph_is_never_replayed_across_a_kernel_switch_change(switch: str) ->
 
 def test_lru_bound_eviction_and_reuse() -> None:
     m = _model()
-    sg = m.step_graphs = _PolicyOnly(max_graphs=2)
+    sg = _attach(m, _PolicyOnly(max_graphs=2))
     for batch, seed in ((1, 1), (2, 2), (1, 3), (3, 4), (2, 5)):
         inputs = _inputs(batch, seed)
         assert torch.equal(_graphed(m, inputs), _eager(m, inputs))
@@ -222,7 +240,7 @@ def test_lru_bound_eviction_and_reuse() -> None:
 
 def test_a_failed_capture_warns_once_and_that_signature_stays_eager(caplog) -> None:
     m = _model()
-    sg = m.step_graphs = _PolicyOnly(fail_with=RuntimeError("operation not permitted when stream is capturing"))
+    sg = _attach(m, _PolicyOnly(fail_with=RuntimeError("operation not permitted when stream is capturing")))
     inputs = _inputs(2, seed=7)
     with caplog.at_level(logging.WARNING, logger=graphs_mod.__name__):
         assert torch.equal(_graphed(m, inputs), _eager(m, inputs))
@@ -245,7 +263,7 @@ def test_an_error_of_the_eager_warm_up_is_raised_not_hidden() -> None:
             except ValueError as exc:
                 raise graphs_mod._WarmupError() from exc
 
-    sg = m.step_graphs = WarmupFails()
+    sg = _attach(m, WarmupFails())
     with pytest.raises(ValueError, match="shape mismatch"):
         _graphed(m, _inputs(1, seed=1))
     assert sg.capture_failures == 0  # the next call tries again
@@ -278,13 +296,18 @@ def test_max_graphs_must_be_positive() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _graphs_mode(mod: torch.nn.Module) -> Any:
+    ex = execution_of(mod)
+    return None if ex is None or ex.step_graphs is None else ex.step_graphs.mode
+
+
 class _StepSpy:
-    """Records `transformer.step_graphs` (and its mode) at each transformer call."""
+    """Records the step graphs' mode (None: no graphs) at each transformer call."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.seen: list[Any] = []
         self._h = model.register_forward_pre_hook(
-            lambda mod, _a: self.seen.append(None if mod.step_graphs is None else mod.step_graphs.mode))
+            lambda mod, _a: self.seen.append(_graphs_mode(mod)))
 
     def close(self) -> None:
         self._h.remove()
@@ -305,7 +328,7 @@ def test_pipeline_uses_graphs_per_batch_with_its_mode_never_compiled(tiny_path: 
     try:
         graphed = pipe.generate([_req(1)])[0]
         assert spy.seen == [("lossless", 0, 0)] * 2
-        assert pipe.transformer.step_graphs is None  # only during its batch
+        assert execution_of(pipe.transformer) is None  # only during its batch
         spy.seen.clear()
         pipe.generate([_req(2, "high")])
         assert spy.seen == [("high", 0, 0)] * 2  # the CPU mounts nothing
@@ -394,7 +417,7 @@ def gpu_model() -> FluxTransformer:
 @pytest.mark.parametrize("batch", [1, 2])
 def test_gpu_replay_equals_eager_and_copies_new_inputs(gpu_model: FluxTransformer, batch: int) -> None:
     m = gpu_model
-    sg = m.step_graphs = StepGraphs()
+    sg = _attach(m, StepGraphs())
     try:
         first_in, second_in = _inputs(batch, 10 + batch, "cuda", torch.bfloat16), _inputs(batch, 20, "cuda",
                                                                                           torch.bfloat16)
@@ -407,11 +430,11 @@ def test_gpu_replay_equals_eager_and_copies_new_inputs(gpu_model: FluxTransforme
         assert torch.equal(first, first_ref)
         assert torch.equal(second, second_ref)  # inputs are copied in, not captured by value
         assert torch.equal(first, first_ref)  # the first output is a clone the replay did not overwrite
-        with torch.no_grad():
+        with running(m, step_graphs=sg), torch.no_grad():
             as_dict = m(**{**first_in, "return_dict": True})
         assert torch.equal(as_dict.sample, first_ref) and sg.captures == 2  # return_dict: its own graph
     finally:
-        m.step_graphs = None
+        _detach(m)
 
 
 @pytest.mark.gpu
@@ -430,7 +453,7 @@ def test_gpu_mounted_high_replays_its_eager_kernels_decided_before_capture(gpu_m
     monkeypatch.setattr(G, "_gelu_timings", {})
     report = kernels.mount(m)
     assert report.ok and kernels.mounted_sites(m), report.refused
-    sg = m.step_graphs = StepGraphs()
+    sg = _attach(m, StepGraphs())
     sg.mode = ("high", len(kernels.mounted_sites(m)))
     try:
         inputs = _inputs(2, 5, "cuda", torch.bfloat16)
@@ -441,20 +464,20 @@ def test_gpu_mounted_high_replays_its_eager_kernels_decided_before_capture(gpu_m
         assert sg.captures == 1 and sg.replays == 1
     finally:
         kernels.unmount(m)
-        m.step_graphs = None
+        _detach(m)
 
 
 @pytest.mark.gpu
 def test_gpu_lru_eviction_frees_and_recaptures(gpu_model: FluxTransformer) -> None:
     m = gpu_model
-    sg = m.step_graphs = StepGraphs(max_graphs=1)
+    sg = _attach(m, StepGraphs(max_graphs=1))
     try:
         for batch, seed in ((1, 1), (2, 2), (1, 3)):
             inputs = _inputs(batch, seed, "cuda", torch.bfloat16)
             assert torch.equal(_graphed(m, inputs), _eager(m, inputs))
         assert (sg.captures, sg.evictions, sg.stats()["graphs"]) == (3, 2, 1)
     finally:
-        m.step_graphs = None
+        _detach(m)
 
 
 @pytest.mark.gpu
@@ -480,7 +503,7 @@ def test_gpu_flux_dev_width_replay_equals_eager() -> None:
         return_dict=False,
     )
     expected = _eager(m, inputs)
-    sg = m.step_graphs = StepGraphs()
+    sg = _attach(m, StepGraphs())
     assert torch.equal(_graphed(m, inputs), expected)
     inputs["timestep"] = torch.full((1,), 0.3, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(_graphed(m, inputs), _eager(m, inputs))
@@ -525,7 +548,7 @@ def test_gpu_illegal_sync_inside_capture_falls_back_and_later_captures_work(gpu_
         return real(self, x, emb)
 
     monkeypatch.setattr(type(m.norm_out), "forward", syncing)
-    sg = m.step_graphs = StepGraphs()
+    sg = _attach(m, StepGraphs())
     try:
         inputs = _inputs(3, 1, "cuda", torch.bfloat16)
         with caplog.at_level(logging.WARNING, logger=graphs_mod.__name__):
@@ -537,4 +560,4 @@ def test_gpu_illegal_sync_inside_capture_falls_back_and_later_captures_work(gpu_
         assert torch.equal(_graphed(m, other), _eager(m, other))
         assert (sg.captures, sg.replays) == (1, 1), sg.stats()
     finally:
-        m.step_graphs = None
+        _detach(m)

@@ -8,7 +8,7 @@ import torch
 import kernels
 from kernels import gelu as G
 from kernels.modulate import fast_norm_sites
-from model.flux import FluxTransformer, run_double_block, run_single_block
+from model.flux import FluxTransformer, execution_of, run_double_block, run_single_block
 from model.tiers import TierPlan, applied_tier, plan_tier
 
 SMALL = dict(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=32, num_attention_heads=4,
@@ -40,9 +40,9 @@ def test_high_plan_is_applied_then_lossless_restored_even_on_error(model, monkey
         with applied_tier(model, plan, block_runners=runners) as report:
             assert report.mounted_sites == 3 and len(kernels.mounted_sites(model)) == 3
             assert report.fast_norm_sites == fast_norm_sites(model) > 0
-            assert model.block_runners is runners
+            assert execution_of(model).block_runners is runners and execution_of(model).step_graphs is None
             raise RuntimeError("boom")
-    assert kernels.mounted_sites(model) == [] and fast_norm_sites(model) == 0 and model.block_runners is None
+    assert kernels.mounted_sites(model) == [] and fast_norm_sites(model) == 0 and execution_of(model) is None
 
 
 def test_a_refusal_on_any_rank_unmounts_here(model, monkeypatch) -> None:
