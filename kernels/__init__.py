@@ -13,13 +13,17 @@ Lossless (bit-exact with eager):
 High tier (not bit-exact):
 - `fused_linear_gelu_tanh`      Linear + tanh-GELU in one GEMM epilogue, per-shape dispatch     (kernels/gelu.py)
 - `layer_norm_modulate(..., fast=True)`  single-pass LayerNorm + modulation (kernels/_high_triton.py)
+- `fp8.Fp8Linear`               e4m3 weights (per-channel scales), `torch._scaled_mm`, bf16 out  (kernels/fp8.py)
+- `fp8.quantize_rows`           per-row fp8 quantization of `[a | gelu(b)]` in one pass        (kernels/_fp8_triton.py)
+- `fp8.linear_cat_gelu`         `linear(cat([a, gelu(b)]))`, the GELU inside the fp8 quantization pass
 
 Sites and switches:
 - GELU sites: `mark_fused_gelu_site`, `gelu_site`, `mount` / `unmount` (all-or-nothing), `mounted_sites`
+  (`gelu.unmark_fused_gelu_site` when a site's layer is merged away)
 - `switches`: the one registry of kernel on/off switches (`switches.signature()`, `switches.override(...)`)
 """
 
-from . import switches
+from . import fp8, switches
 from .gelu import (
     MountReport,
     can_fuse_linear_gelu,
@@ -39,6 +43,7 @@ __all__ = [
     "MountReport",
     "can_fuse_linear_gelu",
     "fast_path_disabled",
+    "fp8",
     "fused_linear_gelu_tanh",
     "gelu_site",
     "gelu_tanh_into",

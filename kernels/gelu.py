@@ -228,6 +228,13 @@ def mark_fused_gelu_site(module: nn.Module, attr: str) -> None:
     sites.setdefault(attr, False)
 
 
+def unmark_fused_gelu_site(module: nn.Module, attr: str) -> None:
+    """The site is gone (e.g. its layer was merged into a wider one): mount no longer looks for it."""
+    sites = module.__dict__.get(_SITES_ATTR)
+    if sites is not None:
+        sites.pop(attr, None)
+
+
 def gelu_site(module: nn.Module, attr: str, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """What a site's forward calls. Unmounted: exactly `F.gelu(layer(x), approximate="tanh")`.
     Mounted and the dynamic guard passes: the fused call; otherwise unfused.

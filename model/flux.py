@@ -37,6 +37,8 @@ from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 from diffusers.utils import apply_lora_scale, logging
 
 from kernels import gelu_site, mark_fused_gelu_site, residual_gate_add, switches
+from kernels.fp8 import Fp8Linear, convertible, fp8_refusal, linear_cat_gelu
+from kernels.gelu import unmark_fused_gelu_site
 from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site
 from kernels.rope import rms_rope_cat
 
@@ -118,7 +120,12 @@ class FluxFeedForward(nn.Module):
             [FluxFusedGELUProj(dim, inner_dim), nn.Dropout(dropout), nn.Linear(inner_dim, dim_out or dim)]
         )
 
+        # High tier, fp8: the GELU runs inside the down-projection's input quantization (no bf16 activation).
+        self.gelu_in_down_proj = False
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.gelu_in_down_proj:  # (Dropout: p=0 at inference)
+            return linear_cat_gelu(self.net[2], None, self.net[0].proj(hidden_states))
         for module in self.net:
             hidden_states = module(hidden_states)
         return hidden_states
@@ -192,9 +199,31 @@ class FluxAttention(nn.Module):
             self.add_k_proj = nn.Linear(added_kv_proj_dim, self.inner_dim, bias=True)
             self.add_v_proj = nn.Linear(added_kv_proj_dim, self.inner_dim, bias=True)
             self.to_add_out = nn.Linear(self.inner_dim, query_dim, bias=out_bias)
+        # High tier: q/k/v (and the text stream's) as one GEMM each, set by `fuse_projections`.
+        self.to_qkv: nn.Module | None = None
+        self.to_added_qkv: nn.Module | None = None
+
+    def fuse_projections(self) -> None:
+        """q, k, v as one stacked linear (and add_q/k/v as another); the separate layers are dropped. Not bit-exact
+        (one wider GEMM may take another cuBLAS kernel): high tier only."""
+        if self.to_qkv is None:
+            self.to_qkv = _stack_linears([self.to_q, self.to_k, self.to_v])
+            del self.to_q, self.to_k, self.to_v
+        if self.added_kv_proj_dim is not None and self.to_added_qkv is None:
+            self.to_added_qkv = _stack_linears([self.add_q_proj, self.add_k_proj, self.add_v_proj])
+            del self.add_q_proj, self.add_k_proj, self.add_v_proj
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (self.heads, self.head_dim))
+
+    def _qkv(self, x: torch.Tensor, text: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        fused = self.to_added_qkv if text else self.to_qkv
+        if fused is not None:
+            return tuple(self._heads(t) for t in fused(x).chunk(3, dim=-1))
+        if text:
+            return (self._heads(self.add_q_proj(x)), self._heads(self.add_k_proj(x)),
+                    self._heads(self.add_v_proj(x)))
+        return self._heads(self.to_q(x)), self._heads(self.to_k(x)), self._heads(self.to_v(x))
 
     def forward(
         self,
@@ -205,16 +234,38 @@ class FluxAttention(nn.Module):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """out (single-stream use, no encoder states): a [B, S, heads * head_dim] view to write the result into."""
-        # q, k before their RMSNorm; the norm is applied below (fused with RoPE where there is RoPE).
-        query = self._heads(self.to_q(hidden_states))
-        key = self._heads(self.to_k(hidden_states))
-        value = self._heads(self.to_v(hidden_states))
-
-        encoder_query = encoder_key = None
+        # q, k before their RMSNorm; the norm is applied in `attend` (fused with RoPE where there is RoPE).
+        query, key, value = self._qkv(hidden_states, text=False)
+        encoder_qkv = None
         if encoder_hidden_states is not None and self.added_kv_proj_dim is not None:
-            encoder_query = self._heads(self.add_q_proj(encoder_hidden_states))
-            encoder_key = self._heads(self.add_k_proj(encoder_hidden_states))
-            encoder_value = self._heads(self.add_v_proj(encoder_hidden_states))
+            encoder_qkv = self._qkv(encoder_hidden_states, text=True)
+        hidden_states = self.attend(query, key, value, encoder_qkv, attention_mask, image_rotary_emb,
+                                    out if encoder_hidden_states is None else None)
+        if encoder_hidden_states is None:
+            return hidden_states
+        text_len = encoder_hidden_states.shape[1]
+        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+            [text_len, hidden_states.shape[1] - text_len], dim=1
+        )
+        hidden_states = self.to_out[1](self.to_out[0](hidden_states.contiguous()))
+        encoder_hidden_states = self.to_add_out(encoder_hidden_states.contiguous())
+        return hidden_states, encoder_hidden_states
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        encoder_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of projected (not yet normed) q, k, v [B, S, heads, head_dim], the text stream's first when
+        given: QK RMSNorm, RoPE, SDPA -> [B, S, heads * head_dim] (written into `out` when given)."""
+        encoder_query = encoder_key = None
+        if encoder_qkv is not None:
+            encoder_query, encoder_key, encoder_value = encoder_qkv
             # Text tokens first, as in diffusers (the RoPE table is laid out txt_ids then img_ids).
             value = torch.cat([encoder_value, value], dim=1)
         norm_added_q = self.norm_added_q if encoder_query is not None else None
@@ -233,21 +284,11 @@ class FluxAttention(nn.Module):
                 key = torch.cat([norm_added_k(encoder_key), key], dim=1)
 
         hidden_states = _sdpa(query, key, value, attention_mask)
-        if encoder_hidden_states is None and out is not None:
+        if out is not None:
             # The copy `flatten` would make anyway, into the caller's buffer (same values, no extra pass).
             out.unflatten(-1, hidden_states.shape[2:]).copy_(hidden_states)
             return out
-        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
-
-        if encoder_hidden_states is None:
-            return hidden_states
-        text_len = encoder_hidden_states.shape[1]
-        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-            [text_len, hidden_states.shape[1] - text_len], dim=1
-        )
-        hidden_states = self.to_out[1](self.to_out[0](hidden_states.contiguous()))
-        encoder_hidden_states = self.to_add_out(encoder_hidden_states.contiguous())
-        return hidden_states, encoder_hidden_states
+        return hidden_states.flatten(2, 3).to(query.dtype)
 
 
 class FluxTransformerBlock(nn.Module):
@@ -319,6 +360,19 @@ class FluxSingleTransformerBlock(nn.Module):
             query_dim=dim, heads=num_attention_heads, dim_head=attention_head_dim, eps=1e-6, pre_only=True
         )
         mark_fused_gelu_site(self, "proj_mlp")
+        # High tier: q/k/v and the MLP up-projection as one GEMM (`fuse_projections`), and the MLP's GELU applied
+        # inside proj_out's input pass (`linear_cat_gelu`; with fp8, no bf16 activation at all).
+        self.to_qkv_mlp: nn.Module | None = None
+        self.mlp_gelu_in_proj_out = False
+
+    def fuse_projections(self) -> None:
+        """attn q/k/v and proj_mlp as one stacked linear; the separate layers are dropped (high tier only)."""
+        if self.to_qkv_mlp is None:
+            attn = self.attn
+            self.to_qkv_mlp = _stack_linears([attn.to_q, attn.to_k, attn.to_v, self.proj_mlp])
+            del attn.to_q, attn.to_k, attn.to_v, self.proj_mlp
+            unmark_fused_gelu_site(self, "proj_mlp")
+            self.mlp_gelu_in_proj_out = True
 
     def forward_joint(
         self,
@@ -328,7 +382,18 @@ class FluxSingleTransformerBlock(nn.Module):
     ) -> torch.Tensor:
         """The block on the joint [text; image] sequence (what diffusers computes between its cat and split)."""
         norm_hidden_states, gate = self.norm(joint, emb=temb)
-        if (IN_PLACE.value and type(self.proj_mlp) is nn.Linear and not torch.is_grad_enabled()
+        if self.mlp_gelu_in_proj_out:
+            attn = self.attn
+            if self.to_qkv_mlp is not None:
+                width = attn.heads * attn.head_dim
+                q, k, v, mlp = self.to_qkv_mlp(norm_hidden_states).split([width] * 3 + [self.mlp_hidden_dim], -1)
+                attn_output = attn.attend(attn._heads(q), attn._heads(k), attn._heads(v),
+                                          image_rotary_emb=image_rotary_emb)
+            else:
+                mlp = self.proj_mlp(norm_hidden_states)
+                attn_output = attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
+            update = linear_cat_gelu(self.proj_out, attn_output, mlp)
+        elif (IN_PLACE.value and type(self.proj_mlp) is nn.Linear and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling()):
             # diffusers: proj_out(cat([attn, gelu(proj_mlp(x))], dim=2)). Both halves are written straight into
             # their columns of the proj_out input (the values cat would copy there), saving a full-width copy.
@@ -358,6 +423,21 @@ class FluxSingleTransformerBlock(nn.Module):
         text_len = encoder_hidden_states.shape[1]
         joint = self.forward_joint(torch.cat([encoder_hidden_states, hidden_states], dim=1), temb, image_rotary_emb)
         return joint[:, :text_len], joint[:, text_len:]
+
+
+def _stack_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear computing `cat([l(x) for l in linears], -1)` (same device and dtype)."""
+    if any(type(lin) is not nn.Linear for lin in linears):
+        raise TypeError("only nn.Linear layers can be stacked (fuse projections before quantizing)")
+    first = linears[0]
+    stacked = nn.Linear(first.in_features, sum(lin.out_features for lin in linears), bias=first.bias is not None,
+                        device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        stacked.weight.copy_(torch.cat([lin.weight for lin in linears], dim=0))
+        if stacked.bias is not None:
+            stacked.bias.copy_(torch.cat([lin.bias for lin in linears]))
+    stacked.requires_grad_(first.weight.requires_grad)
+    return stacked
 
 
 def run_double_block(
@@ -459,6 +539,44 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         self.norm_out = AdaLayerNormContinuous(self.inner_dim, self.inner_dim, elementwise_affine=False, eps=1e-6)
         self.proj_out = nn.Linear(self.inner_dim, patch_size * patch_size * self.out_channels, bias=True)
         self.gradient_checkpointing = False
+
+    # -- the high tier's lifetime forms (a high replica converts once at start; the model then serves high only) --
+
+    def fuse_qkv_projections(self) -> None:
+        """Every block's q/k/v (single blocks: q/k/v + MLP up-projection) as one GEMM. Not bit-exact."""
+        for block in self.transformer_blocks:
+            block.attn.fuse_projections()
+        for block in self.single_transformer_blocks:
+            block.fuse_projections()
+
+    def quantize_fp8(self) -> dict[str, str]:
+        """Every block linear that takes a token activation becomes an `Fp8Linear` (e4m3 weights, per-row activation
+        scales; the bf16 weights are dropped). Not bit-exact. The AdaLN linears (one row per image: nothing for fp8
+        to speed up) stay bf16. Returns {layer: why it stayed bf16}; raises ValueError where fp8 cannot run at all."""
+        reason = fp8_refusal(self.device, self.dtype)
+        if reason is not None:
+            raise ValueError(reason)
+        kept: dict[str, str] = {}
+        for block_name, blocks in (("transformer_blocks", self.transformer_blocks),
+                                   ("single_transformer_blocks", self.single_transformer_blocks)):
+            for i, block in enumerate(blocks):
+                for name, parent in list(block.named_modules()):
+                    for child_name, child in list(parent.named_children()):
+                        if not isinstance(child, nn.Linear) or (child_name == "linear" and name.startswith("norm")):
+                            continue
+                        qualified = f"{block_name}.{i}.{name + '.' if name else ''}{child_name}"
+                        why = convertible(child)
+                        if why is not None:
+                            kept[qualified] = why
+                            continue
+                        setattr(parent, child_name, Fp8Linear.from_linears([child]))
+        for module in self.modules():
+            if isinstance(module, FluxFeedForward):
+                module.gelu_in_down_proj = (isinstance(module.net[0].proj, Fp8Linear)
+                                            and isinstance(module.net[2], Fp8Linear))
+            elif isinstance(module, FluxSingleTransformerBlock) and isinstance(module.proj_out, Fp8Linear):
+                module.mlp_gelu_in_proj_out = True
+        return kept
 
     @apply_lora_scale("joint_attention_kwargs")
     def forward(

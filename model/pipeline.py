@@ -147,6 +147,9 @@ class FluxServePipeline:
         self.high_fast_norm = False
         # CUDA graphs of the transformer step; None until enable_cuda_graphs().
         self._step_graphs: StepGraphs | None = None
+        # The transformer's high-tier lifetime form (convert_for_high): then it serves "high" batches only.
+        self.fp8 = False
+        self.fused_projections = False
         # generate() mounts/unmounts sites on the shared transformer: never let two batches interleave.
         self._lock = threading.Lock()
 
@@ -241,6 +244,45 @@ class FluxServePipeline:
         self.compile_warmup_s = time.perf_counter() - t0
         return self.compile_warmup_s
 
+    def fp8_refusal(self) -> str | None:
+        """Why fp8 layers cannot run for this pipeline's transformer, or None when they can."""
+        from kernels.fp8 import fp8_refusal
+
+        return fp8_refusal(self.device, self.dtype)
+
+    def convert_for_high(self, *, fp8: bool = False, fused_projections: bool = False) -> dict[str, Any]:
+        """Give the transformer the high tier's lifetime form, once (a high replica at start): q/k/v (+ the single
+        blocks' MLP up-projection) as one GEMM each, and/or fp8 linear layers. The replaced weights are freed;
+        from then on the pipeline serves "high" batches only (a lossless plan raises). Not bit-exact.
+
+        fp8 where it cannot run (no CUDA, pre-Ada GPU, fp16/fp32 model) raises ValueError with the reason, before
+        anything is changed. Returns what was done: {"fp8": bool, "fused_projections": bool, "kept_bf16": {...}}.
+        """
+        import torch
+
+        if fp8:
+            reason = self.fp8_refusal()
+            if reason is not None:
+                raise ValueError(f"fp8 refused: {reason}")
+        kept: dict[str, str] = {}
+        with self._lock:
+            if fused_projections and not self.fused_projections:
+                if self.fp8:
+                    raise ValueError("fuse projections before quantizing to fp8")
+                self.transformer.fuse_qkv_projections()
+                self.fused_projections = True
+            if fp8 and not self.fp8:
+                kept = self.transformer.quantize_fp8()
+                self.fp8 = True
+            if self._step_graphs is not None:
+                self._step_graphs.reset()  # captured with the old layers
+        import gc
+
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"fp8": self.fp8, "fused_projections": self.fused_projections, "kept_bf16": kept}
+
     def plan(self, quality: Quality, compiled: bool | None = None, cuda_graphs: bool | None = None) -> TierPlan:
         """The tier plan of a batch of `quality` under this pipeline's settings. `compiled` (default: after
         `enable_compile`) applies to high batches only; `cuda_graphs` (default: after `enable_cuda_graphs`) to
@@ -254,8 +296,11 @@ class FluxServePipeline:
             cuda_graphs = self.cuda_graphs_enabled
         if cuda_graphs and self._step_graphs is None:
             raise ValueError("cuda_graphs=True needs enable_cuda_graphs() first")
+        if quality != "high" and (self.fp8 or self.fused_projections):
+            raise ValueError(f"this pipeline's transformer was converted for the high tier (fp8={self.fp8}, "
+                             f"fused_projections={self.fused_projections}): it cannot serve {quality!r} batches")
         return plan_tier(quality, fast_norm=self.high_fast_norm and self._fast_norm_applies(), compiled=compiled,
-                         cuda_graphs=cuda_graphs)
+                         cuda_graphs=cuda_graphs, fp8=self.fp8, fused_projections=self.fused_projections)
 
     def generate(self, requests: list[GenerationRequest], progress: bool = False,
                  should_stop: Callable[[], bool] | None = None,

@@ -33,21 +33,31 @@ class TierPlan:
     fast_norm: bool = False  # LayerNorm + modulate through the single-pass kernel (not bit-exact)
     compiled: bool = False  # the blocks through their regional torch.compile graphs
     cuda_graphs: bool = False  # each step replayed from a CUDA graph (bit-identical to eager)
+    # The transformer's lifetime form (converted once when a high replica starts, not per batch): fp8 linear layers,
+    # and q/k/v (+ the single block's MLP up-projection) as one GEMM each.
+    fp8: bool = False
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
-        if self.quality == "lossless" and (self.mount_gelu or self.fast_norm or self.compiled):
-            raise ValueError(f"a lossless plan may not switch on non-exact kernels or compiled blocks: {self}")
+        if self.quality == "lossless" and (self.mount_gelu or self.fast_norm or self.compiled or self.fp8
+                                           or self.fused_projections):
+            raise ValueError(f"a lossless plan may not switch on non-exact kernels, compiled blocks or a converted "
+                             f"(fp8 / fused-projection) transformer: {self}")
+        if self.fp8 and self.mount_gelu:
+            raise ValueError("fp8 layers take their GELU inside the quantization pass: no GELU sites to mount")
         if self.compiled and self.cuda_graphs:
             raise ValueError("a compiled batch never replays CUDA graphs")
 
 
 def plan_tier(quality: Quality, *, fast_norm: bool = False, compiled: bool = False,
-              cuda_graphs: bool = False) -> TierPlan:
-    """The plan of one batch: `high` mounts the GELU sites and takes the opt-ins it is given; `lossless` none of
-    them. CUDA graphs apply to either tier, except inside a compiled batch."""
+              cuda_graphs: bool = False, fp8: bool = False, fused_projections: bool = False) -> TierPlan:
+    """The plan of one batch: `high` mounts the GELU sites (unless fp8 layers take the GELU) and takes the opt-ins
+    it is given; `lossless` none of them. CUDA graphs apply to either tier, except inside a compiled batch.
+    fp8 / fused_projections describe the transformer's form: a lossless plan for a converted transformer raises."""
     high = quality == "high"
-    return TierPlan(quality, mount_gelu=high, fast_norm=high and fast_norm, compiled=high and compiled,
-                    cuda_graphs=cuda_graphs and not (high and compiled))
+    return TierPlan(quality, mount_gelu=high and not fp8, fast_norm=high and fast_norm, compiled=high and compiled,
+                    cuda_graphs=cuda_graphs and not (high and compiled), fp8=fp8,
+                    fused_projections=fused_projections)
 
 
 @dataclass
@@ -97,7 +107,8 @@ def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
             if step_graphs is None:
                 raise ValueError("a CUDA-graph plan needs the step-graph cache")
             # Mounted / switched sites run other kernels than lossless: a separate graph per (tier, mounted GELU
-            # sites, fast norm sites).
+            # sites, fast norm sites). (A transformer's fp8 / fused form is set before any capture: converting
+            # drops the graphs.)
             step_graphs.mode = (plan.quality, report.mounted_sites, report.fast_norm_sites)
             graphs = step_graphs
         with running(transformer, block_runners=runners, step_graphs=graphs):

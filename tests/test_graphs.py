@@ -390,7 +390,8 @@ pipes = []
 model.loading.load_pipeline = lambda *a, **k: pipes.append(Pipe()) or pipes[-1]
 cls = FluxReplica.func_or_class
 for pool, on in (("lossless", True), ("high", False)):
-    raw = {"device": "cuda", "pools": {pool: {"cuda_graphs": on, "cpu_threads": 1}}}
+    form = {"fp8": False, "fused_projections": False} if pool == "high" else {}  # (tests/test_fp8.py)
+    raw = {"device": "cuda", "pools": {pool: {"cuda_graphs": on, "cpu_threads": 1, **form}}}
     cls(pool, raw)
 assert [p.graphs for p in pipes] == [[8], []], [p.graphs for p in pipes]
 print("graphs wiring ok")

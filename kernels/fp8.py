@@ -1,0 +1,193 @@
+"""FP8 (e4m3) linear layers for the `high` tier (not bit-exact): weights quantized once per output channel,
+activations quantized per row by one Triton pass, `torch._scaled_mm` with bias and bf16 output.
+
+An activation is quantized in the same pass that would otherwise only copy or activate it: `quantize_rows(a, b)`
+reads `a` and optionally a second part `b` (with tanh-GELU applied to it), finds each row's absolute maximum over
+both and writes one fp8 row `[a | gelu(b)]` plus its fp32 scale. So `linear(cat([a, gelu(b)]))` (the single
+block's proj_out) and `linear(gelu(h))` (the FF down-projection) need no bf16 intermediate at all.
+
+Where fp8 does not apply (no CUDA, a GPU before Ada/Hopper, fp16 or fp32 models, shapes `_scaled_mm` refuses),
+`fp8_refusal` says why and the caller keeps its bf16 layer; every op here has an eager twin used on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+MIN_AMAX = 1e-12  # an all-zero row gets this amax (a finite scale, zeros stay zeros)
+
+
+def fp8_refusal(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why fp8 linears cannot run for a model on `device` in `dtype`, or None when they can."""
+    if device.type != "cuda":
+        return f"fp8 GEMMs need a CUDA device (model is on {device})"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return f"fp8 GEMMs need compute capability >= 8.9 (Ada/Hopper); this GPU is {major}.{minor}"
+    if dtype != torch.bfloat16:
+        return f"fp8 GEMMs with row-wise scales write bf16; the model is {dtype}"
+    if not hasattr(torch, "_scaled_mm"):
+        return "this torch has no torch._scaled_mm"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+def shape_refusal(in_features: int, out_features: int) -> str | None:
+    """`_scaled_mm` needs K and N to be multiples of 16."""
+    if in_features % 16 or out_features % 16:
+        return f"fp8 GEMM needs in/out features divisible by 16, got {in_features} -> {out_features}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantization
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (fp8 [N, K], fp32 scale [1, N]): one scale per output channel, amax mapped to FP8_MAX."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale[None, :].contiguous()
+
+
+def _gelu_tanh_fp32(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x.float(), approximate="tanh")
+
+
+def quantize_rows_eager(a: torch.Tensor, b: torch.Tensor | None = None,
+                        gelu_b: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows`'s twin: rows of `cat([a, gelu(b) if gelu_b else b], -1)` in fp32 -> fp8, scale [M, 1]."""
+    parts = [a.float()]
+    if b is not None:
+        parts.append(_gelu_tanh_fp32(b) if gelu_b else b.float())
+    x = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., K] as [M, K] with a unit last stride (a view where the layout allows, else a copy)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    rows = t.shape[:-1].numel()
+    try:
+        return t.view(rows, t.shape[-1])
+    except RuntimeError:
+        return t.reshape(rows, t.shape[-1])
+
+
+def quantize_rows(a: torch.Tensor, b: torch.Tensor | None = None,
+                  gelu_b: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp8 quantization of `[a | b]` ([..., Ka] and [..., Kb], same leading shape), tanh-GELU on `b` if
+    `gelu_b`: returns (fp8 [M, Ka + Kb], fp32 scale [M, 1]) with M the leading elements. One pass on CUDA."""
+    a2 = _rows(a)
+    b2 = None if b is None else _rows(b)
+    if b2 is not None and b2.shape[0] != a2.shape[0]:
+        raise ValueError(f"quantize_rows: {tuple(a.shape)} and {tuple(b.shape)} have different leading shapes")
+    if a2.device.type != "cuda" or a2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return quantize_rows_eager(a2, b2, gelu_b)
+    from . import _fp8_triton
+
+    return _fp8_triton.quantize_rows(a2, b2, gelu_b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The layer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer with fp8 e4m3 weights (per output channel scales) and bf16 input/output.
+
+    `forward(x)` quantizes x per row and runs one `torch._scaled_mm`; `matmul(q, scale)` takes an activation some
+    other pass already quantized. Built from one or several `nn.Linear`s (`from_linears`: stacked along the output
+    dimension, so q/k/v become one GEMM); the bf16 weights are not kept.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device),
+                                   requires_grad=False)
+        self.register_buffer("weight_scale", torch.ones(1, out_features, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=torch.bfloat16, device=device),
+                                     requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linears(cls, linears: Sequence[nn.Linear]) -> Fp8Linear:
+        """One fp8 layer computing `cat([l(x) for l in linears], -1)` (not bit-exact)."""
+        first = linears[0]
+        if any(lin.in_features != first.in_features for lin in linears):
+            raise ValueError("stacked linears must share in_features")
+        with_bias = [lin.bias is not None for lin in linears]
+        if any(with_bias) != all(with_bias):
+            raise ValueError("stacked linears must all have a bias or none")
+        out = sum(lin.out_features for lin in linears)
+        layer = cls(first.in_features, out, bias=all(with_bias), device=first.weight.device)
+        with torch.no_grad():
+            q, scale = quantize_weight(torch.cat([lin.weight for lin in linears], dim=0))
+            layer.weight.copy_(q)
+            layer.weight_scale.copy_(scale)
+            if layer.bias is not None:
+                layer.bias.copy_(torch.cat([lin.bias for lin in linears]).to(torch.bfloat16))
+        return layer
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight this layer multiplies by, in fp32 (tests and error reports)."""
+        return self.weight.float() * self.weight_scale.t()
+
+    def matmul(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """fp8 [M, K] with fp32 scale [M, 1] -> bf16 [M, N]."""
+        if q.device.type != "cuda":
+            out = (q.float() * scale) @ self.dequantized_weight().t()
+            if self.bias is not None:
+                out = out + self.bias.float()
+            return out.to(torch.bfloat16)
+        return torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, bias=self.bias,
+                                out_dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale = quantize_rows(x)
+        return self.matmul(q, scale).view(*x.shape[:-1], self.out_features)
+
+
+def linear_cat_gelu(linear: nn.Module, a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    """`linear(cat([a, gelu_tanh(b)], -1))` (`a` may be None): an `Fp8Linear` quantizes both parts and applies the
+    GELU in one pass, with no bf16 intermediate; any other layer runs the eager expression."""
+    if isinstance(linear, Fp8Linear):
+        q, scale = quantize_rows(b[..., :0] if a is None else a, b, gelu_b=True)  # no `a`: a zero-width part
+        return linear.matmul(q, scale).view(*b.shape[:-1], linear.out_features)
+    act = F.gelu(b, approximate="tanh")
+    return linear(act if a is None else torch.cat([a, act], dim=-1))
+
+
+def convertible(linear: nn.Module) -> str | None:
+    """Why `linear` cannot become an `Fp8Linear`, or None."""
+    if type(linear) is not nn.Linear:
+        return f"{type(linear).__name__} is not an nn.Linear"
+    reason = fp8_refusal(linear.weight.device, linear.weight.dtype)
+    return reason or shape_refusal(linear.in_features, linear.out_features)

@@ -1,0 +1,417 @@
+"""The high tier's lifetime forms: fused q/k/v projections and fp8 linear layers (kernels/fp8.py, model/flux.py
+`fuse_qkv_projections` / `quantize_fp8`, the pipeline's `convert_for_high`, the pool config and the engine).
+
+CPU: the quantization kernel in Triton's interpreter against its eager twin; the eager twin against the definition;
+Fp8Linear's stacking; the refusals; fused projections == unfused (fp32); the fp8 wiring of a whole model (with the
+fp8 GEMM's CPU twin) within a bound of bf16; a converted pipeline refuses lossless; config errors; the engine keeps
+bf16 where fp8 is refused. GPU (`-m gpu`): Triton quantization == eager, `_scaled_mm` layer against its dequantized
+reference, FLUX.1-dev-width blocks in fp8 within a bound, a converted tiny pipeline (graph replay == eager).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+import kernels.fp8 as fp8
+import model.flux as flux_mod
+from deployments.config import AppArgs
+from model.flux import FluxTransformer
+from model.loading import load_pipeline
+from model.pipeline import GenerationRequest
+from tests._interpret import run_in_interpreter
+
+SMALL = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32,
+             num_attention_heads=4, joint_attention_dim=48, pooled_projection_dim=24, guidance_embeds=True,
+             axes_dims_rope=(8, 12, 12))
+TXT, IMG = 7, 24
+
+
+def _model(dtype: torch.dtype = torch.float32, device: str = "cpu", **cfg) -> FluxTransformer:
+    torch.manual_seed(0)
+    m = FluxTransformer(**{**SMALL, **cfg})
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+    return m.to(device=device, dtype=dtype).eval()
+
+
+def _inputs(batch: int, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 1,
+            txt: int = TXT, img: int = IMG, width: int = 16, joint: int = 48, pooled: int = 24) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        hidden_states=torch.randn(batch, img, width, generator=g).to(device, dtype),
+        encoder_hidden_states=torch.randn(batch, txt, joint, generator=g).to(device, dtype),
+        pooled_projections=torch.randn(batch, pooled, generator=g).to(device, dtype),
+        timestep=torch.full((batch,), 0.6).to(device, dtype),
+        guidance=torch.full((batch,), 3.5, device=device),
+        txt_ids=torch.zeros(txt, 3, device=device),
+        img_ids=torch.stack([torch.zeros(img), torch.arange(img) // 6, torch.arange(img) % 6], -1).float().to(device),
+        return_dict=False,
+    )
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantization: definition, kernel (interpreter), layer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_eager_row_quantization_maps_each_rows_amax_to_the_fp8_maximum() -> None:
+    x = torch.randn(6, 40, dtype=torch.float64).to(torch.bfloat16) * torch.tensor([1e-3, 1, 10, 100, 0, 3])[:, None]
+    x = x.to(torch.bfloat16)
+    q, scale = fp8.quantize_rows_eager(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1) and scale.dtype == torch.float32
+    amax = x.float().abs().amax(-1, keepdim=True)
+    assert torch.equal(scale, amax.clamp(min=fp8.MIN_AMAX) / fp8.FP8_MAX)
+    assert torch.equal(q[4].float(), torch.zeros(40))  # an all-zero row stays zero, with a finite scale
+    nonzero = [0, 1, 2, 3, 5]
+    assert torch.equal(q[nonzero].float().abs().amax(-1), torch.full((5,), 448.0))
+    # e4m3: 3 mantissa bits, so |x - dequant| <= 2^-4 |x| over the normal range
+    back = q.float() * scale
+    normal = x.float().abs() >= scale * 2.0 ** -6
+    assert ((back - x.float()).abs() <= x.float().abs() * 2.0 ** -4 + 1e-30)[normal].all()
+
+
+def test_eager_quantization_of_two_parts_shares_one_scale_and_applies_the_gelu() -> None:
+    a, b = torch.randn(3, 16).to(torch.bfloat16), (torch.randn(3, 32) * 4).to(torch.bfloat16)
+    q, scale = fp8.quantize_rows_eager(a, b, gelu_b=True)
+    joined = torch.cat([a.float(), F.gelu(b.float(), approximate="tanh")], -1)
+    q_ref, scale_ref = fp8.quantize_rows_eager(joined)
+    assert torch.equal(q.float(), q_ref.float()) and torch.equal(scale, scale_ref)
+
+
+_QUANT_PROBE = r"""
+import torch
+from kernels import _fp8_triton as T
+from kernels.fp8 import quantize_rows_eager
+torch.manual_seed(0)
+for limit, dtype in ((32768, torch.bfloat16), (32768, torch.float16), (32768, torch.float32), (0, torch.bfloat16)):
+    T._REGISTER_ROW_LIMIT = limit  # 0: every row through the two-pass loop kernel
+    base = torch.randn(9, 3000 + 48) * 3
+    base[4] = 0  # an all-zero row
+    base[5, 7] = 1e4  # one large outlier
+    a = base.to(dtype)[:, :48]  # a column slice: row stride 3048
+    b = base.to(dtype)[:, 48:]  # a second part longer than one block (2048): the loops wrap
+    for bb, gelu in ((None, False), (b, False), (b, True)):
+        q, s = T.quantize_rows(a, bb, gelu)
+        qe, se = quantize_rows_eager(a, bb, gelu)
+        assert q.dtype == torch.float8_e4m3fn and q.shape == qe.shape, (q.dtype, q.shape)
+        assert torch.allclose(s, se, rtol=2e-6, atol=0), (dtype, gelu, (s - se).abs().max())
+        qf, qef = q.float(), qe.float()
+        diff = qf != qef
+        if not gelu:
+            assert not diff.any(), (dtype, int(diff.sum()))
+        else:  # the interpreter's tanh (from exp) is not CUDA's: a few values round to the neighbouring fp8 value
+            assert diff.float().mean() < 2e-3, (dtype, int(diff.sum()))
+            one_step = (qf - qef).abs() <= torch.maximum(qf.abs(), qef.abs()) * 2.0 ** -3 + 2.0 ** -9
+            assert one_step[diff].all()
+q, s = T.quantize_rows(torch.zeros(0, 32), None, False)
+assert q.shape == (0, 32) and s.shape == (0, 1)
+print("fp8 quantization ok")
+"""
+
+
+def test_quantization_kernel_in_the_interpreter_equals_its_eager_twin() -> None:
+    """Both kernels (row in registers; two-pass loop over blocks): indexing, masks, strided rows, both parts, the
+    GELU and the zero row (the interpreter's
+    own fp8 cast is wrong, so there the kernel writes fp32 and torch rounds: the GPU test covers the cast)."""
+    run_in_interpreter(_QUANT_PROBE, "fp8 quantization ok")
+
+
+def test_fp8_linear_stacks_layers_and_matches_its_dequantized_reference_on_cpu() -> None:
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, n) for n in (32, 32, 48)]
+    stacked = fp8.Fp8Linear.from_linears(layers)
+    singles = [fp8.Fp8Linear.from_linears([lin]) for lin in layers]
+    assert stacked.weight.dtype == torch.float8_e4m3fn and stacked.out_features == 112
+    # per-output-channel scales: stacking quantizes each row exactly as the layer alone does
+    assert torch.equal(stacked.weight.float(), torch.cat([s.weight.float() for s in singles]))
+    assert torch.equal(stacked.weight_scale, torch.cat([s.weight_scale for s in singles], dim=1))
+    x = torch.randn(2, 5, 64).to(torch.bfloat16)
+    y = stacked(x)
+    assert y.shape == (2, 5, 112) and y.dtype == torch.bfloat16
+    exact = torch.cat([F.linear(x.float(), lin.weight, lin.bias) for lin in layers], -1)
+    assert _rel(y, exact) < 0.05
+    q, s = fp8.quantize_rows_eager(x.reshape(-1, 64))
+    ref = ((q.float() * s) @ stacked.dequantized_weight().t() + stacked.bias.float()).to(torch.bfloat16)
+    assert torch.equal(y.reshape(-1, 112), ref)
+    with pytest.raises(ValueError, match="in_features"):
+        fp8.Fp8Linear.from_linears([nn.Linear(64, 16), nn.Linear(32, 16)])
+
+
+def test_linear_cat_gelu_on_a_plain_linear_is_the_eager_expression() -> None:
+    lin = nn.Linear(48, 8)
+    a, b = torch.randn(2, 3, 16), torch.randn(2, 3, 32)
+    assert torch.equal(fp8.linear_cat_gelu(lin, a, b), lin(torch.cat([a, F.gelu(b, approximate="tanh")], -1)))
+    down = nn.Linear(32, 8)
+    assert torch.equal(fp8.linear_cat_gelu(down, None, b), down(F.gelu(b, approximate="tanh")))
+
+
+def test_refusals_say_why() -> None:
+    assert "CUDA" in fp8.fp8_refusal(torch.device("cpu"), torch.bfloat16)
+    assert "divisible by 16" in fp8.shape_refusal(3072, 3070)
+    assert fp8.shape_refusal(3072, 9216) is None
+    assert "not an nn.Linear" in fp8.convertible(nn.Conv1d(4, 4, 1))
+    assert "CUDA" in fp8.convertible(nn.Linear(32, 32))
+    with pytest.raises(ValueError, match="CUDA"):
+        _model(torch.bfloat16).quantize_fp8()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model's forms
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_fused_projections_compute_the_same_block_outputs_and_drop_the_separate_layers() -> None:
+    m = _model()
+    inputs = _inputs(2)
+    with torch.no_grad():
+        ref = m(**inputs)[0]
+        params = sum(p.numel() for p in m.parameters())
+        m.fuse_qkv_projections()
+        got = m(**inputs)[0]
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), (got - ref).abs().max()
+    assert sum(p.numel() for p in m.parameters()) == params  # moved, not copied
+    attn = m.transformer_blocks[0].attn
+    assert not hasattr(attn, "to_q") and not hasattr(attn, "add_v_proj") and attn.to_qkv.out_features == 3 * 128
+    single = m.single_transformer_blocks[0]
+    assert not hasattr(single, "proj_mlp") and single.to_qkv_mlp.out_features == 3 * 128 + 512
+    # the single blocks' GELU sites went with proj_mlp; the double blocks' FF sites still mount
+    sites = [name for name, *_ in kernels.gelu._iter_sites(m)]
+    assert sites and all(".ff" in name for name in sites), sites
+
+
+def test_fused_projections_are_idempotent_and_refuse_fp8_layers() -> None:
+    m = _model()
+    m.fuse_qkv_projections()
+    fused = m.transformer_blocks[0].attn.to_qkv
+    m.fuse_qkv_projections()
+    assert m.transformer_blocks[0].attn.to_qkv is fused
+    with pytest.raises(TypeError, match="fuse projections before quantizing"):
+        flux_mod._stack_linears([fp8.Fp8Linear(16, 16), fp8.Fp8Linear(16, 16)])
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """Let the conversion run on the CPU (the layers then multiply with their dequantized CPU twin)."""
+    monkeypatch.setattr(flux_mod, "fp8_refusal", lambda device, dtype: None)
+    monkeypatch.setattr(flux_mod, "convertible",
+                        lambda lin: fp8.shape_refusal(lin.in_features, lin.out_features))
+
+
+def _fake_quantized_twin(m: FluxTransformer, converted: FluxTransformer) -> FluxTransformer:
+    """`m` (same form as `converted` before quantizing) with each layer that `converted` holds in fp8 emulated in
+    eager: the fp8 layer's dequantized weight, and its input rounded per row through fp8 by a pre-hook."""
+    def fake_quant(_mod, args):
+        x = args[0]
+        q, scale = fp8.quantize_rows_eager(x.reshape(-1, x.shape[-1]))
+        return ((q.float() * scale).to(x.dtype).view(x.shape),)
+
+    layers = dict(converted.named_modules())
+    for name, mod in m.named_modules():
+        if isinstance(layers.get(name), fp8.Fp8Linear):
+            with torch.no_grad():
+                mod.weight.copy_(layers[name].dequantized_weight())
+            mod.register_forward_pre_hook(fake_quant)
+    return m
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_conversion_of_a_model_converts_every_token_linear_and_stays_close(fp8_on_cpu, fused: bool) -> None:
+    """Wiring: the converted model equals its eager fp8 emulation closely (a GELU in the wrong place, a swapped
+    q/k/v or a missed layer would not); against bf16 it differs by what fp8 rounding costs at random weights."""
+    import copy
+
+    m = _model(torch.bfloat16)
+    inputs = _inputs(2, torch.bfloat16)
+    with torch.no_grad():
+        ref = m(**inputs)[0]
+        if fused:
+            m.fuse_qkv_projections()
+        twin = copy.deepcopy(m)
+        kept = m.quantize_fp8()
+        got = m(**inputs)[0]
+        emulated = _fake_quantized_twin(twin, m)(**inputs)[0]
+    assert kept == {}
+    assert _rel(got, emulated) < 0.03, _rel(got, emulated)
+    linears = {name: type(mod).__name__ for name, mod in m.named_modules()
+               if isinstance(mod, (nn.Linear, fp8.Fp8Linear)) and "_blocks." in name}
+    plain = sorted(name for name, kind in linears.items() if kind == "Linear")
+    assert plain and all(name.rsplit(".", 2)[-2].startswith("norm") for name in plain), plain  # AdaLN only
+    assert all(kind == "Fp8Linear" for name, kind in linears.items() if name not in plain)
+    assert all(ff.gelu_in_down_proj for ff in m.modules() if isinstance(ff, flux_mod.FluxFeedForward))
+    assert all(b.mlp_gelu_in_proj_out for b in m.single_transformer_blocks)
+    assert _rel(got, ref) < 0.4, _rel(got, ref)  # random weights: fp8's cost here is no quality figure
+
+
+def test_fp8_layers_where_a_shape_is_refused_stay_bf16_and_are_reported(fp8_on_cpu) -> None:
+    m = _model(torch.bfloat16, num_attention_heads=3, attention_head_dim=24, axes_dims_rope=(8, 8, 8))  # width 72
+    kept = m.quantize_fp8()
+    assert kept and all("divisible by 16" in why for why in kept.values())
+    assert not any(isinstance(mod, fp8.Fp8Linear) for mod in m.modules())
+    assert not any(ff.gelu_in_down_proj for ff in m.modules() if isinstance(ff, flux_mod.FluxFeedForward))
+    with torch.no_grad():
+        assert torch.isfinite(m(**_inputs(1, torch.bfloat16, width=16))[0]).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pipeline, config, engine
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _req(quality: str = "high", seed: int = 3) -> GenerationRequest:
+    return GenerationRequest("a red fox", height=64, width=64, steps=2, seed=seed, quality=quality)
+
+
+def test_a_pipeline_converted_for_high_serves_high_only(tiny_path: Path) -> None:
+    pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    before = pipe.generate([_req()])[0]
+    with pytest.raises(ValueError, match="fp8 refused: .*CUDA"):
+        pipe.convert_for_high(fp8=True, fused_projections=True)
+    assert not pipe.fused_projections  # a refusal changes nothing
+    form = pipe.convert_for_high(fused_projections=True)
+    assert form == {"fp8": False, "fused_projections": True, "kept_bf16": {}}
+    after = pipe.generate([_req()])[0]
+    assert torch.allclose(after.latents, before.latents, rtol=1e-4, atol=1e-4)
+    assert pipe.plan("high").fused_projections
+    with pytest.raises(ValueError, match="cannot serve 'lossless'"):
+        pipe.generate([_req("lossless")])
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"pools": {"lossless": {"fp8": True}}}, "high pool only"),
+    ({"pools": {"lossless": {"fused_projections": True}}}, "high pool only"),
+    ({"pools": {"high": {"fp8": "yes"}}}, "true or false"),
+    ({"pools": {"high": {"fp8": True, "tp": 2}}}, "tp > 1"),
+    ({"pools": {"high": {"fused_projections": True, "compile": True}}}, "exclude each other"),
+])
+def test_bad_high_form_options_are_config_errors(raw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AppArgs.parse(raw)
+
+
+_ENGINE_SCRIPT = """
+import sys
+from deployments.config import AppArgs
+from deployments.engine import LocalEngine
+args = AppArgs.parse({"model": sys.argv[1], "pools": {"high": {"fp8": True, "fused_projections": True}}})
+engine = LocalEngine(args, "high")
+form = engine.stats()["high_form"]
+assert form["fused_projections"] and not form["fp8"] and "CUDA" in form["fp8_refused"], form
+assert LocalEngine(args, "lossless").stats()["high_form"] is None
+print("engine form ok")
+"""
+
+
+def test_the_high_engine_converts_at_start_and_keeps_bf16_where_fp8_is_refused(tiny_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, str(tiny_path)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and "engine form ok" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+_needs_fp8 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an fp8 GPU")
+
+
+@pytest.mark.gpu
+@_needs_fp8
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gpu_quantization_kernel_against_eager(gelu: bool) -> None:
+    torch.manual_seed(0)
+    base = (torch.randn(4608, 3072 + 12288, device="cuda") * 2).to(torch.bfloat16)
+    base[3] = 0
+    a, b = base[:, :3072], base[:, 3072:]
+    q, s = fp8.quantize_rows(a, b, gelu_b=gelu)
+    qe, se = fp8.quantize_rows_eager(a, b, gelu_b=gelu)
+    assert torch.allclose(s, se, rtol=1e-6, atol=0)
+    mismatch = (q.float() != qe.float())
+    assert mismatch.float().mean() < 1e-4, int(mismatch.sum())  # where a tanh or division ulp crosses a rounding point
+    qf, qef = q.float(), qe.float()
+    assert ((qf - qef).abs() <= torch.maximum(qf.abs(), qef.abs()) * 2.0 ** -3 + 2.0 ** -9)[mismatch].all()
+
+
+@pytest.mark.gpu
+@_needs_fp8
+def test_gpu_fp8_linear_against_its_dequantized_reference_and_bf16() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(3072, 9216, device="cuda", dtype=torch.bfloat16)
+    layer = fp8.Fp8Linear.from_linears([lin])
+    x = torch.randn(2, 2048, 3072, device="cuda", dtype=torch.bfloat16)
+    y = layer(x)
+    q, s = fp8.quantize_rows(x)
+    ref = (q.float() * s) @ layer.dequantized_weight().t() + layer.bias.float()
+    assert _rel(y.reshape(-1, 9216), ref) < 5e-3
+    assert _rel(y, lin(x)) < 0.06
+    # the GELU-in-quantization path
+    down = fp8.Fp8Linear.from_linears([nn.Linear(9216, 3072, device="cuda", dtype=torch.bfloat16)])
+    h = lin(x)
+    got = fp8.linear_cat_gelu(down, None, h)
+    assert _rel(got, down(F.gelu(h, approximate="tanh"))) < 0.02
+
+
+@pytest.mark.gpu
+@_needs_fp8
+def test_gpu_flux_dev_width_blocks_in_fp8_stay_close_to_bf16() -> None:
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        m = FluxTransformer(num_layers=2, num_single_layers=2, guidance_embeds=True).to(torch.bfloat16).eval()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn_like(p) * 0.02)
+    inputs = _inputs(1, torch.bfloat16, "cuda", txt=512, img=4096, width=64, joint=4096, pooled=768)
+    ys, xs = torch.meshgrid(torch.arange(64), torch.arange(64), indexing="ij")
+    inputs["img_ids"] = torch.stack([torch.zeros_like(ys), ys, xs], -1).reshape(-1, 3).float().cuda()
+    import copy
+
+    with torch.no_grad():
+        ref = m(**inputs)[0]
+        m.fuse_qkv_projections()
+        fused = m(**inputs)[0]
+        twin = copy.deepcopy(m)
+        assert m.quantize_fp8() == {}
+        got = m(**inputs)[0]
+        emulated = _fake_quantized_twin(twin, m)(**inputs)[0]
+    assert _rel(fused, ref) < 0.01, _rel(fused, ref)
+    assert _rel(got, emulated) < 0.02, _rel(got, emulated)  # the wiring: fp8 layers == their eager emulation
+    assert _rel(got, ref) < 0.15, _rel(got, ref)  # random weights at 0.02: a bound, not a quality figure
+
+
+@pytest.mark.gpu
+@_needs_fp8
+def test_gpu_pipeline_holds_its_fp8_form_and_graph_replay_equals_eager(tiny_path: Path) -> None:
+    pipe = load_pipeline(str(tiny_path), device="cuda", dtype=torch.bfloat16)
+    bytes_before = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+    lossless = pipe.generate([_req("lossless")])[0]
+    form = pipe.convert_for_high(fp8=True, fused_projections=True)
+    assert form["fp8"] and form["fused_projections"] and form["kept_bf16"] == {}
+    assert sum(p.numel() * p.element_size() for p in pipe.transformer.parameters()) < 0.75 * bytes_before
+    sg = pipe.enable_cuda_graphs()
+    try:
+        eager = pipe.generate([_req(), _req(seed=4)], cuda_graphs=False)
+        graphed = pipe.generate([_req(), _req(seed=4)], cuda_graphs=True)
+        assert sg.replays == 2 and sg.eager_fallbacks == 0, sg.stats()
+        for e, g in zip(eager, graphed):
+            assert torch.equal(e.latents, g.latents) and e.png == g.png
+    finally:
+        pipe.disable_cuda_graphs()
+    assert _rel(eager[0].latents, lossless.latents) < 0.2  # random tiny weights: wiring, not quality
+    assert isinstance(pipe.transformer.single_transformer_blocks[0].to_qkv_mlp, fp8.Fp8Linear)  # still held
+    with pytest.raises(ValueError, match="cannot serve 'lossless'"):
+        pipe.generate([_req("lossless")])
