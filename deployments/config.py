@@ -79,6 +79,14 @@ class PoolArgs:
     # request of each batch size / resolution (removes the host launch gaps; bit-identical, so lossless stays
     # byte-identical to diffusers). Not with compile: a compiled high batch never replays graphs.
     cuda_graphs: bool = False
+    # High pool only (tp == 1, not with compile): the transformer converted once at replica start and held in
+    # that form (the replica then serves high only). fused_projections: q/k/v (+ the single block's MLP
+    # up-projection) as one GEMM each. fp8: e4m3 linear layers with per-channel weight and per-row activation
+    # scales (CUDA, compute capability >= 8.9, bf16; elsewhere refused with a warning and bf16 kept). Not bit-exact;
+    # speed and PSNR/SSIM per technique: bench/results/high-h200.md. On by default for the high pool where tp is 1
+    # and compile is off (AppArgs.parse).
+    fused_projections: bool = False
+    fp8: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,7 +112,8 @@ class AppArgs:
     api_keys_file: str | None = None
     limits: Limits = field(default_factory=Limits)
     pools: dict[str, PoolArgs] = field(
-        default_factory=lambda: {"lossless": PoolArgs(batch_invariant=True), "high": PoolArgs()}
+        default_factory=lambda: {"lossless": PoolArgs(batch_invariant=True),
+                                 "high": PoolArgs(fused_projections=True, fp8=True)}
     )
 
     @staticmethod
@@ -120,13 +129,25 @@ class AppArgs:
             raise ValueError(f"args.pools: unknown pool(s) {sorted(unknown_pools)}; pools are {QUALITIES}")
         pools: dict[str, PoolArgs] = {}
         for q in QUALITIES:
-            p = {"batch_invariant": q == "lossless", **(pools_raw.get(q) or {})}
+            given = pools_raw.get(q) or {}
+            # The high pool's converted form (it met the quality bar) is on by default where the pool's other
+            # settings admit it (tp 1, not compiled); asked for explicitly elsewhere, it is an error below.
+            convert = q == "high" and given.get("tp", 1) == 1 and not given.get("compile", False)
+            p = {"batch_invariant": q == "lossless", "fused_projections": convert, "fp8": convert, **given}
             _reject_unknown(p, PoolArgs, f"args.pools.{q}")
             pool = PoolArgs(**p)
             if not isinstance(pool.tp, int) or pool.tp < 1:
                 raise ValueError(f"args.pools.{q}.tp must be an integer >= 1, got {pool.tp!r}")
             _check_compile(pool, q)
             _check_high_only_switch(pool, q, "fast_norm")
+            for key in ("fused_projections", "fp8"):
+                _check_high_only_switch(pool, q, key)
+                if getattr(pool, key) and pool.tp != 1:
+                    raise ValueError(f"args.pools.{q}.{key} is not supported with tp > 1 yet (got tp={pool.tp}): the "
+                                     "sharded layers are not converted")
+                if getattr(pool, key) and pool.compile:
+                    raise ValueError(f"args.pools.{q}.{key} and compile exclude each other (their combination is "
+                                     "not measured yet); choose one")
             _check_cuda_graphs(pool, q)
             pools[q] = pool
         args = AppArgs(limits=Limits(**limits_raw), pools=pools, **raw)

@@ -79,12 +79,30 @@ class LocalEngine:
         torch.set_num_threads(int(threads))
         self.pipe = load_pipeline(args.model, device=args.device, dtype=torch_dtype(args.dtype))
         self.pipe.high_fast_norm = pool_args.fast_norm
+        self.high_form = self._convert_for_high(pool_args)
         if pool_args.compile:
             self.warm_up_compile()
         if pool_args.cuda_graphs:
             # Captured lazily: the first request of each batch size / resolution pays two eager steps and the
             # capture, every later step replays.
             self.pipe.enable_cuda_graphs()
+
+    def _convert_for_high(self, pool_args: PoolArgs) -> dict[str, Any] | None:
+        """The high pool's lifetime form (fused projections, fp8 layers), converted once before serving. fp8 where
+        it cannot run (CPU, pre-Ada GPU, non-bf16) is refused with a warning and the bf16 layers kept."""
+        if not (pool_args.fp8 or pool_args.fused_projections):
+            return None
+        refused = None
+        fp8 = pool_args.fp8
+        if fp8:
+            refused = self.pipe.fp8_refusal()
+            if refused is not None:
+                logger.warning("pool=%s: fp8 refused (%s); serving with bf16 layers", self.pool, refused)
+                fp8 = False
+        form = self.pipe.convert_for_high(fp8=fp8, fused_projections=pool_args.fused_projections)
+        form["fp8_refused"] = refused
+        logger.info("pool=%s: high form %s", self.pool, form)
+        return form
 
     def warm_up_compile(self) -> None:
         """Compile the high pool's blocks before the replica reports ready, for every size and batch size it
@@ -103,7 +121,7 @@ class LocalEngine:
 
     def stats(self) -> dict[str, Any]:
         graphs = self.pipe.step_graphs
-        return {"cuda_graphs": None if graphs is None else graphs.stats()}
+        return {"cuda_graphs": None if graphs is None else graphs.stats(), "high_form": self.high_form}
 
     def actor_names(self) -> list[str]:
         return []

@@ -1,0 +1,409 @@
+"""The high tier per technique on one GPU: transformer step time, end-to-end time, PSNR/SSIM against lossless.
+
+One process, one set of weights (default: the flux-dev-random preset, FLUX.1-dev architecture, random bf16 weights:
+PSNR/SSIM then measure numerical closeness, not image quality). Each variant is its own transformer (a deep copy
+of ours, converted the way a high replica converts at start) inside the same diffusers pipeline components.
+
+Step: one transformer forward at `--size` (4096 image + 512 text tokens at 1024^2), batch 1 and 2, variants
+interleaved within each repeat, median of `--repeats` after warm-ups. End to end: prompt -> PNG for diffusers eager,
+lossless and the high set (`--e2e-repeats`, interleaved); quality: one image per variant and step count, PSNR/SSIM of
+its PNG against lossless's. A profile of the high set's step groups CUDA kernel time by family.
+
+  python bench/high.py --out bench/results/high-h200.json
+  python bench/high.py --model tiny --device cpu --size 256 --steps 2 --repeats 1 --e2e-repeats 1  # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import platform
+import shlex
+import statistics
+import sys
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from model.flux import running  # noqa: E402
+from model.graphs import StepGraphs  # noqa: E402
+from model.loading import diffusers_reference, load_pipeline  # noqa: E402
+from model.metrics import psnr, ssim  # noqa: E402
+from model.pipeline import FluxServePipeline, GenerationRequest, md5, run_flux_pipeline  # noqa: E402
+from model.tiers import applied_tier, plan_tier  # noqa: E402
+
+PSNR_BAR_DB, SSIM_BAR = 30.0, 0.95
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    fused_projections: bool = False
+    fp8: bool = False
+    fast_norm: bool = False
+    cuda_graphs: bool = False
+    mount_gelu: bool = True  # the current high tier's GELU sites (no effect where fp8 takes the GELU)
+
+
+VARIANTS = [
+    Variant("high (GELU sites)"),
+    Variant("high + fast_norm", fast_norm=True),
+    Variant("high + fused_projections", fused_projections=True),
+    Variant("high + fp8", fp8=True),
+    Variant("high + fp8 + fused_projections", fp8=True, fused_projections=True),
+    Variant("high + fp8 + fused_projections + fast_norm", fp8=True, fused_projections=True, fast_norm=True),
+    Variant("high + fp8 + fused_projections + fast_norm + cuda_graphs", fp8=True, fused_projections=True,
+            fast_norm=True, cuda_graphs=True),
+]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    _sync()
+    t0 = time.perf_counter()
+    out = fn()
+    _sync()
+    return time.perf_counter() - t0, out
+
+
+def build_variants(ours: FluxServePipeline, variants: list[Variant]) -> tuple[dict[str, FluxServePipeline],
+                                                                                dict[str, str]]:
+    """One pipeline per variant. Variants of one form (fused_projections, fp8) share one transformer: the
+    unconverted form is ours itself; each converted form is a deep copy of ours converted the way a high replica
+    converts at start (fp8 forms first, while the least memory is held). Text encoders and VAE are shared."""
+    from diffusers import FluxPipeline
+
+    forms: dict[tuple[bool, bool], Any] = {(False, False): ours.pipe}
+    errors: dict[str, str] = {}
+    for key in sorted({(v.fused_projections, v.fp8) for v in variants} - {(False, False)}, key=lambda k: not k[1]):
+        components = dict(ours.pipe.components)
+        components["transformer"] = copy.deepcopy(ours.transformer)
+        components["scheduler"] = type(ours.pipe.scheduler).from_config(ours.pipe.scheduler.config)
+        pipe = FluxServePipeline(FluxPipeline(**components), source=ours.source)
+        try:
+            pipe.convert_for_high(fused_projections=key[0], fp8=key[1])
+        except Exception as exc:  # a refused technique (e.g. fp8 on the CPU) is reported, not fatal
+            errors[str(key)] = f"{type(exc).__name__}: {exc}"
+            del components, pipe
+            gc.collect()
+            continue
+        forms[key] = pipe.pipe
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    built: dict[str, FluxServePipeline] = {}
+    for v in variants:
+        key = (v.fused_projections, v.fp8)
+        if key not in forms:
+            errors[v.name] = errors[str(key)]
+            continue
+        pipe = FluxServePipeline(forms[key], source=ours.source)
+        pipe.fused_projections, pipe.fp8 = key
+        pipe.high_fast_norm = v.fast_norm
+        if v.cuda_graphs:
+            pipe.enable_cuda_graphs()
+        built[v.name] = pipe
+    return built, {k: e for k, e in errors.items() if not k.startswith("(")}
+
+
+def step_inputs(pipe: FluxServePipeline, batch: int, size: int, text_tokens: int) -> dict[str, Any]:
+    cfg = pipe.transformer.config
+    dev, dt = pipe.device, pipe.dtype
+    g = torch.Generator(device="cpu").manual_seed(batch)
+    side = size // 16
+    ys, xs = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    return dict(
+        hidden_states=torch.randn(batch, side * side, cfg.in_channels, generator=g).to(dev, dt),
+        encoder_hidden_states=torch.randn(batch, text_tokens, cfg.joint_attention_dim, generator=g).to(dev, dt),
+        pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=g).to(dev, dt),
+        timestep=torch.full((batch,), 0.5).to(dev, dt),
+        guidance=torch.full((batch,), 3.5, device=dev) if cfg.guidance_embeds else None,
+        txt_ids=torch.zeros(text_tokens, 3, device=dev),
+        img_ids=torch.stack([torch.zeros_like(ys), ys, xs], -1).reshape(-1, 3).float().to(dev),
+        return_dict=False,
+    )
+
+
+def step_fn(pipe: FluxServePipeline | Any, v: Variant | None, inputs: dict[str, Any]) -> Callable[[], Any]:
+    """One transformer forward under the variant's plan (None: a stock module, called as is)."""
+    transformer = pipe.transformer
+    if v is None:
+        return lambda: transformer(**inputs)
+    plan = pipe.plan("high", compiled=False, cuda_graphs=v.cuda_graphs)
+    if not v.mount_gelu:
+        plan = plan_tier("high", fast_norm=plan.fast_norm, cuda_graphs=plan.cuda_graphs, fp8=plan.fp8,
+                         fused_projections=plan.fused_projections)
+
+    def call() -> Any:
+        with applied_tier(transformer, plan, step_graphs=pipe.step_graphs):
+            return transformer(**inputs)
+
+    return call
+
+
+def lossless_step_fn(pipe: FluxServePipeline, inputs: dict[str, Any]) -> Callable[[], Any]:
+    plan = pipe.plan("lossless", compiled=False, cuda_graphs=False)
+
+    def call() -> Any:
+        with applied_tier(pipe.transformer, plan):
+            return pipe.transformer(**inputs)
+
+    return call
+
+
+def time_steps(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, dict[str, float]]:
+    times: dict[str, list[float]] = defaultdict(list)
+    with torch.no_grad():
+        for i in range(warmup + repeats):
+            for name, fn in fns.items():
+                t, _ = timed(fn)
+                if i >= warmup:
+                    times[name].append(t * 1000)
+    return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)} for k, v in times.items()}
+
+
+def kernel_families(fn: Callable[[], Any], runs: int = 3) -> dict[str, float]:
+    """CUDA kernel time per step (ms) by family, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        fn()
+        _sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(runs):
+                fn()
+            _sync()
+    fam: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        if not us:
+            continue
+        name = evt.key.lower()
+        if "quant_rows" in name:
+            f = "fp8 activation quantization (Triton)"
+        elif any(s in name for s in ("fmha", "flash", "attention", "sdpa", "cudnn")):
+            f = "attention"
+        elif any(s in name for s in ("gemm", "xmma", "cutlass", "nvjet", "matmul", "_mm_", "sm90", "cublas")):
+            f = "GEMM"
+        elif "triton" in name or name.startswith("_"):
+            f = "Triton fused glue (norms, RoPE, residual, GELU)"
+        else:
+            f = "other (aten elementwise, copies, reductions)"
+        fam[f] += us / 1000.0 / runs
+    return dict(sorted(fam.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="flux-dev-random")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, nargs="+", default=[28, 50], help="end-to-end step counts (quality)")
+    ap.add_argument("--e2e-steps", type=int, default=50, help="step count of the end-to-end timing")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--e2e-repeats", type=int, default=3)
+    ap.add_argument("--prompt", default="a photo of a red fox in fresh snow, golden hour, 35mm film")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--high-set", default=VARIANTS[-1].name, help="the variant reported as `high`")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "high-h200.json"))
+    args = ap.parse_args(argv)
+    command = "python bench/high.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    dtype = torch.bfloat16
+
+    build_s, ours = timed(lambda: load_pipeline(args.model, device=args.device, dtype=dtype))
+    reference = diffusers_reference(ours)
+    text_tokens = min(512, ours.pipe.tokenizer_2.model_max_length)
+    print(f"built {args.model} in {build_s:.1f}s", flush=True)
+
+    variants, errors = build_variants(ours, VARIANTS)
+    for name, err in errors.items():
+        print(f"variant {name!r} not built: {err}", flush=True)
+    by_name = {v.name: v for v in VARIANTS}
+    if torch.cuda.is_available():
+        print(f"memory allocated: {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
+
+    # -- transformer step ----------------------------------------------------------------------------------------
+    step: dict[str, Any] = {}
+    for batch in args.batches:
+        fns: dict[str, Callable[[], Any]] = {}
+        inputs = step_inputs(ours, batch, args.size, text_tokens)
+        fns["diffusers"] = step_fn(reference, None, inputs)
+        fns["lossless"] = lossless_step_fn(ours, inputs)
+        for name, pipe in variants.items():
+            fns[name] = step_fn(pipe, by_name[name], inputs)
+        try:
+            step[f"batch{batch}"] = time_steps(fns, args.warmup, args.repeats)
+        except Exception:
+            errors[f"step batch {batch}"] = traceback.format_exc()[-2000:]
+            print(errors[f"step batch {batch}"], flush=True)
+            continue
+        for name, t in step[f"batch{batch}"].items():
+            print(f"  step batch {batch}: {name}: {t['median_ms']:.2f} ms", flush=True)
+        with torch.no_grad():  # closeness of one step's output to lossless, per variant
+            base = fns["lossless"]()[0].float()
+            for name in list(variants):
+                out = fns[name]()[0].float()
+                step[f"batch{batch}"][name]["rel_err_vs_lossless"] = float((out - base).norm() / base.norm())
+
+    # -- end to end: quality per variant and step count, timing of diffusers / lossless / the high set ------------
+    def req(quality: str, steps: int) -> GenerationRequest:
+        return GenerationRequest(args.prompt, height=args.size, width=args.size, steps=steps, seed=args.seed,
+                                 quality=quality)
+
+    quality: dict[str, dict[str, Any]] = defaultdict(dict)
+    md5_equal: dict[int, bool] = {}
+    for steps in args.steps:
+        lat_ref, png_ref = run_flux_pipeline(reference, [req("lossless", steps)])
+        lossless = ours.generate([req("lossless", steps)], cuda_graphs=False)[0]
+        md5_equal[steps] = md5(png_ref[0]) == md5(lossless.png) and bool(torch.equal(lat_ref[0], lossless.latents))
+        for name, pipe in variants.items():
+            try:
+                r = pipe.generate([req("high", steps)], compiled=False)[0]
+            except Exception:
+                errors[f"e2e {name} {steps}"] = traceback.format_exc()[-2000:]
+                continue
+            p = psnr(r.png, lossless.png)
+            quality[name][str(steps)] = {"psnr_db": None if math.isinf(p) else p, "ssim": ssim(r.png, lossless.png)}
+            print(f"  quality {steps} steps: {name}: {quality[name][str(steps)]}", flush=True)
+
+    high_name = args.high_set if args.high_set in variants else None
+    e2e: dict[str, Any] = {}
+    if high_name is not None:
+        fns = {
+            "diffusers": lambda: run_flux_pipeline(reference, [req("lossless", args.e2e_steps)]),
+            "lossless": lambda: ours.generate([req("lossless", args.e2e_steps)], cuda_graphs=False),
+            "high": lambda: variants[high_name].generate([req("high", args.e2e_steps)], compiled=False),
+        }
+        times: dict[str, list[float]] = defaultdict(list)
+        for i in range(1 + args.e2e_repeats):
+            for name, fn in fns.items():
+                t, _ = timed(fn)
+                if i:
+                    times[name].append(t)
+        e2e = {k: statistics.median(v) for k, v in times.items()}
+        print(f"  e2e {args.e2e_steps} steps: {e2e}", flush=True)
+
+    profile: dict[str, float] = {}
+    if high_name is not None and torch.cuda.is_available():
+        inputs = step_inputs(ours, 1, args.size, text_tokens)
+        try:
+            profile = kernel_families(step_fn(variants[high_name], by_name[high_name], inputs))
+        except Exception:
+            errors["profile"] = traceback.format_exc()[-2000:]
+
+    b1 = step.get("batch1", {})
+    techniques = []
+    for v in VARIANTS:
+        row: dict[str, Any] = {"name": v.name, "fused_projections": v.fused_projections, "fp8": v.fp8,
+                               "fast_norm": v.fast_norm, "cuda_graphs": v.cuda_graphs}
+        if v.name in errors:
+            row["error"] = errors[v.name]
+        for key, s in step.items():
+            if v.name in s:
+                row[f"step_ms_{key}"] = s[v.name]["median_ms"]
+                row[f"speedup_vs_diffusers_{key}"] = s["diffusers"]["median_ms"] / s[v.name]["median_ms"]
+                row[f"rel_err_vs_lossless_{key}"] = s[v.name].get("rel_err_vs_lossless")
+        row["quality"] = quality.get(v.name, {})
+        q = row["quality"]
+        row["meets_bar"] = bool(q) and all(
+            (x["psnr_db"] is None or x["psnr_db"] >= PSNR_BAR_DB) and x["ssim"] >= SSIM_BAR for x in q.values())
+        techniques.append(row)
+
+    high_q = quality.get(high_name or "", {})
+    last_steps = str(args.steps[-1])
+    import diffusers
+
+    result = {
+        "model": args.model, "size": f"{args.size}x{args.size}", "steps": args.steps, "e2e_steps": args.e2e_steps,
+        "torch": torch.__version__, "diffusers": diffusers.__version__, "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "random_weights": args.model.endswith("random") or args.model.startswith("tiny"),
+        "high_set": high_name,
+        "step_ms_diffusers": b1.get("diffusers", {}).get("median_ms"),
+        "step_ms_lossless": b1.get("lossless", {}).get("median_ms"),
+        "step_ms_high": b1.get(high_name or "", {}).get("median_ms"),
+        "high_step_speedup": (b1["diffusers"]["median_ms"] / b1[high_name]["median_ms"]
+                              if high_name in b1 else None),
+        "high_e2e_speedup": e2e["diffusers"] / e2e["high"] if e2e else None,
+        "e2e_s": e2e,
+        "psnr_high_db": high_q.get(last_steps, {}).get("psnr_db"),
+        "ssim_high": high_q.get(last_steps, {}).get("ssim"),
+        "lossless_png_md5_equal": all(md5_equal.values()) if md5_equal else None,
+        "lossless_equal_by_steps": md5_equal,
+        "techniques": techniques,
+        "step": step,
+        "profile_high_step_ms_by_family": profile,
+        "errors": errors,
+        "repeats": args.repeats, "warmup": args.warmup, "e2e_repeats": args.e2e_repeats,
+        "command": command,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_markdown(out.with_suffix(".md"), result)
+    print(out.with_suffix(".md").read_text())
+    gc.collect()
+    return 0 if result["lossless_png_md5_equal"] else 1
+
+
+def write_markdown(path: Path, r: dict[str, Any]) -> None:
+    def f(x: Any, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lines = [
+        f"# High tier per technique on {r['gpu']}",
+        "",
+        f"Model `{r['model']}` (bf16{', random weights: PSNR/SSIM measure numerical closeness, not image quality' if r['random_weights'] else ''}), "
+        f"{r['size']}, torch {r['torch']}, diffusers {r['diffusers']}. Step: one transformer forward, median of "
+        f"{r['repeats']} after {r['warmup']} warm-ups, variants interleaved. Quality: PSNR/SSIM of the PNG against "
+        f"lossless, seed 0, bar {PSNR_BAR_DB:.0f} dB / {SSIM_BAR}.",
+        "",
+        "| variant | step ms (B=1) | x diffusers | step ms (B=2) | x diffusers | rel. err. of one step | "
+        + " | ".join(f"PSNR {s} steps | SSIM {s} steps" for s in r["steps"]) + " | meets bar |",
+        "|---|---|---|---|---|---|" + "---|---|" * len(r["steps"]) + "---|",
+    ]
+    for key in ("diffusers", "lossless"):
+        s1, s2 = r["step"].get("batch1", {}).get(key, {}), r["step"].get("batch2", {}).get(key, {})
+        lines.append(f"| {key} | {f(s1.get('median_ms'), '.2f')} | - | {f(s2.get('median_ms'), '.2f')} | - | - | "
+                     + " | ".join("- | -" for _ in r["steps"]) + " | - |")
+    for t in r["techniques"]:
+        q = t["quality"]
+        cells = " | ".join(f"{f(q.get(str(s), {}).get('psnr_db'), '.2f')} | {f(q.get(str(s), {}).get('ssim'), '.4f')}"
+                           for s in r["steps"])
+        lines.append(
+            f"| {t['name']} | {f(t.get('step_ms_batch1'), '.2f')} | {f(t.get('speedup_vs_diffusers_batch1'), '.2f')} | "
+            f"{f(t.get('step_ms_batch2'), '.2f')} | {f(t.get('speedup_vs_diffusers_batch2'), '.2f')} | "
+            f"{f(t.get('rel_err_vs_lossless_batch1'), '.2e')} | {cells} | {t['meets_bar']} |")
+    lines += ["", f"High set: `{r['high_set']}`. Step speed-up over diffusers (B=1): "
+              f"{f(r['high_step_speedup'], '.2f')}x. End to end ({r['e2e_steps']} steps, median of "
+              f"{r['e2e_repeats']}): {r['e2e_s']} -> {f(r['high_e2e_speedup'], '.2f')}x. Lossless PNG md5 and "
+              f"latents equal to diffusers: {r['lossless_png_md5_equal']} ({r['lossless_equal_by_steps']}).", ""]
+    if r["profile_high_step_ms_by_family"]:
+        lines += ["Profile of the high set's step (B=1, CUDA kernel time per step):", "", "| family | ms |", "|---|---|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in r["profile_high_step_ms_by_family"].items()]
+        lines.append("")
+    if r["errors"]:
+        lines += ["Errors / refusals:", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in r["errors"].items()]
+        lines.append("")
+    lines += ["Command:", "", "```", r["command"], "```", ""]
+    path.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
