@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--e2e-repeats", type=int, default=3)
     ap.add_argument("--prompt", default="a photo of a red fox in fresh snow, golden hour, 35mm film")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--high-set", default=VARIANTS[-1].name, help="the variant reported as `high`")
+    ap.add_argument("--high-set", default="high + fp8 + fused_projections",
+                    help="the variant reported as `high` (default: what serve_config.yaml turns on for the pool)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "high-h200.json"))
     args = ap.parse_args(argv)
     command = "python bench/high.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))

@@ -31,7 +31,8 @@ def _quant_rows_kernel(
     # INTERPRET: q is fp32 and the wrapper rounds to fp8 (the CPU interpreter's own fp8 cast rounds wrongly; on the
     # GPU the cast is the hardware's round-to-nearest-even with saturation, like torch's).
     # One row per program: pass 1 finds the row's amax (both parts), pass 2 re-reads the row (from L2) and writes
-    # fp8. The GELU is recomputed in pass 2 rather than stored.
+    # fp8. The GELU is recomputed in pass 2 rather than stored. (A variant holding the whole row in registers, one
+    # read instead of two, measured slower on the H200: bench/results/high-h200.md.)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -69,39 +70,6 @@ def _quant_rows_kernel(
             tl.store(q_ptr + row * q_sr + KA + cols, y, mask=ok)
 
 
-@triton.jit
-def _quant_rows_in_registers_kernel(
-    a_ptr, b_ptr, q_ptr, s_ptr, KA, KB, a_sr, b_sr, q_sr,
-    GELU_B: tl.constexpr, HAS_B: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
-    BETA: tl.constexpr, KAPPA: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    # The whole row held in registers: one read and one write of the row (rows up to 32K values).
-    row = tl.program_id(0).to(tl.int64)
-    ca = tl.arange(0, BLOCK_A)
-    xa = tl.load(a_ptr + row * a_sr + ca, mask=ca < KA, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(xa), axis=0)
-    if HAS_B:
-        cb = tl.arange(0, BLOCK_B)
-        xb = tl.load(b_ptr + row * b_sr + cb, mask=cb < KB, other=0.0).to(tl.float32)
-        if GELU_B:
-            xb = _gelu_tanh(xb, BETA, KAPPA, INTERPRET)
-        amax = tl.maximum(amax, tl.max(tl.abs(xb), axis=0))
-    scale = tl.maximum(amax, 1e-12) / 448.0
-    tl.store(s_ptr + row, scale)
-    ya = tl.minimum(tl.maximum(xa / scale, -448.0), 448.0)
-    if not INTERPRET:
-        ya = ya.to(tl.float8e4nv)
-    tl.store(q_ptr + row * q_sr + ca, ya, mask=ca < KA)
-    if HAS_B:
-        yb = tl.minimum(tl.maximum(xb / scale, -448.0), 448.0)
-        if not INTERPRET:
-            yb = yb.to(tl.float8e4nv)
-        tl.store(q_ptr + row * q_sr + KA + cb, yb, mask=cb < KB)
-
-
-_REGISTER_ROW_LIMIT = 32768  # values per row held in registers; longer rows take the two-pass loop kernel
-
-
 def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """a [M, Ka], b [M, Kb] or None (unit last strides) -> fp8 [M, Ka + Kb], fp32 scale [M, 1]."""
     M, KA = a.shape
@@ -111,15 +79,6 @@ def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool) -> tupl
     scale = torch.empty((M, 1), dtype=torch.float32, device=a.device)
     if M == 0:
         return q.to(torch.float8_e4m3fn), scale
-    block_a = triton.next_power_of_2(max(KA, 16))
-    block_b = triton.next_power_of_2(max(KB, 16)) if b is not None else 16
-    if block_a + block_b <= _REGISTER_ROW_LIMIT:
-        _quant_rows_in_registers_kernel[(M,)](
-            a, a if b is None else b, q, scale, KA, KB, a.stride(0), 0 if b is None else b.stride(0), q.stride(0),
-            GELU_B=bool(gelu_b), HAS_B=b is not None, BLOCK_A=block_a, BLOCK_B=block_b, BETA=_GELU_BETA,
-            KAPPA=_GELU_KAPPA, INTERPRET=interpret, num_warps=max(4, min(16, (block_a + block_b) // 1024)),
-        )
-        return (q.to(torch.float8_e4m3fn) if interpret else q), scale
     block = min(2048, triton.next_power_of_2(max(KA, KB, 16)))
     _quant_rows_kernel[(M,)](
         a, a if b is None else b, q, scale, KA, KB, a.stride(0), 0 if b is None else b.stride(0), q.stride(0),
