@@ -24,7 +24,6 @@ import platform
 import shlex
 import statistics
 import sys
-import time
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass
@@ -36,8 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model.flux import running  # noqa: E402
-from model.graphs import StepGraphs  # noqa: E402
+from bench.e2e import _sync, timed  # noqa: E402
 from model.loading import diffusers_reference, load_pipeline  # noqa: E402
 from model.metrics import psnr, ssim  # noqa: E402
 from model.pipeline import FluxServePipeline, GenerationRequest, md5, run_flux_pipeline  # noqa: E402
@@ -66,19 +64,6 @@ VARIANTS = [
     Variant("high + fp8 + fused_projections + fast_norm + cuda_graphs", fp8=True, fused_projections=True,
             fast_norm=True, cuda_graphs=True),
 ]
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    _sync()
-    t0 = time.perf_counter()
-    out = fn()
-    _sync()
-    return time.perf_counter() - t0, out
 
 
 def build_variants(ours: FluxServePipeline, variants: list[Variant]) -> tuple[dict[str, FluxServePipeline],
