@@ -68,7 +68,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def verify(pipe: Any, request: Any, progress: bool = False) -> dict[str, Any]:
-    """Reference (stock diffusers), lossless and high on one request; returns the comparison as a dict."""
+    """Reference (stock diffusers), lossless and high on one request; returns the comparison as a dict. The
+    pipeline is converted for high after the lossless run (as the high pool is), so it serves high only after."""
     import torch
 
     from model.metrics import psnr, ssim
@@ -81,6 +82,9 @@ def verify(pipe: Any, request: Any, progress: bool = False) -> dict[str, Any]:
     t1 = time.perf_counter()
     del reference
     lossless = pipe.generate([request.__class__(**{**vars(request), "quality": "lossless"})], progress=progress)[0]
+    # high as the high pool runs it by default: converted once (fused projections, fp8 where it can run)
+    fp8_refused = pipe.fp8_refusal()
+    form = pipe.convert_for_high(fp8=fp8_refused is None, fused_projections=True)
     high = pipe.generate([request.__class__(**{**vars(request), "quality": "high"})], progress=progress)[0]
     report = pipe.last_mount_report
     refused = dict(getattr(report, "refused", {}) or {})
@@ -91,7 +95,8 @@ def verify(pipe: Any, request: Any, progress: bool = False) -> dict[str, Any]:
                      "seconds": lossless.timings["total_s"]},
         "high": {"latents_md5": md5(high.latents), "png_md5": md5(high.png), "seconds": high.timings["total_s"],
                  "mounted_sites": high.mounted_sites,
-                 "refused_example": next(iter(refused.items()), None)},
+                 "refused_example": next(iter(refused.items()), None),
+                 "fp8": form["fp8"], "fused_projections": form["fused_projections"], "fp8_refused": fp8_refused},
         "lossless_latents_equal": bool(torch.equal(lossless.latents, ref_lat[0])),
         "lossless_png_equal": lossless.png == ref_png[0],
         "psnr_high_vs_lossless_db": None if math.isinf(p) else p,
@@ -124,9 +129,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"lossless == reference: latents {res['lossless_latents_equal']}, png {res['lossless_png_equal']}"
               f" -> {'OK' if ok else 'MISMATCH'}")
         h = res["high"]
-        why = "" if h["mounted_sites"] else f" (ran unfused; e.g. {h['refused_example']})"
         psnr_text = "inf (identical)" if res["high_identical_to_lossless"] else f"{res['psnr_high_vs_lossless_db']:.2f}"
-        print(f"high: {h['mounted_sites']} GELU sites mounted{why}")
+        fp8_text = "fp8" if h["fp8"] else f"bf16 (fp8 refused: {h['fp8_refused']})"
+        print(f"high: fused projections, {fp8_text}, {h['mounted_sites']} GELU sites mounted")
         print(f"high vs lossless: PSNR {psnr_text} dB, SSIM {res['ssim_high_vs_lossless']:.5f}")
     return 0 if res["lossless_latents_equal"] and res["lossless_png_equal"] else 1
 
