@@ -24,50 +24,60 @@ def _gelu_tanh(x, BETA: tl.constexpr, KAPPA: tl.constexpr, INTERPRET: tl.constex
 
 @triton.jit
 def _quant_rows_kernel(
-    a_ptr, b_ptr, q_ptr, s_ptr, KA, KB, a_sr, b_sr, q_sr,
-    GELU_B: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr,
+    a_ptr, b_ptr, q_ptr, s_ptr, M, KA, KB, a_sr, b_sr, q_sr,
+    GELU_B: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     BETA: tl.constexpr, KAPPA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    # ROWS rows per program: pass 1 finds each row's amax (both parts), pass 2 re-reads the rows (mostly from L2)
+    # and writes fp8; the GELU is recomputed in pass 2 rather than stored. (A variant holding whole rows in
+    # registers, one read instead of two, measured slower on the H200: bench/results/high-h200.md.)
     # INTERPRET: q is fp32 and the wrapper rounds to fp8 (the CPU interpreter's own fp8 cast rounds wrongly; on the
     # GPU the cast is the hardware's round-to-nearest-even with saturation, like torch's).
-    # One row per program: pass 1 finds the row's amax (both parts), pass 2 re-reads the row (from L2) and writes
-    # fp8. The GELU is recomputed in pass 2 rather than stored. (A variant holding the whole row in registers, one
-    # read instead of two, measured slower on the H200: bench/results/high-h200.md.)
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < M
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     for k0 in range(0, KA, BLOCK):
         cols = k0 + offs
-        x = tl.load(a_ptr + row * a_sr + cols, mask=cols < KA, other=0.0).to(tl.float32)
+        ok = row_ok[:, None] & (cols < KA)[None, :]
+        x = tl.load(a_ptr + rows[:, None] * a_sr + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     if HAS_B:
         for k0 in range(0, KB, BLOCK):
             cols = k0 + offs
-            x = tl.load(b_ptr + row * b_sr + cols, mask=cols < KB, other=0.0).to(tl.float32)
+            ok = row_ok[:, None] & (cols < KB)[None, :]
+            x = tl.load(b_ptr + rows[:, None] * b_sr + cols[None, :], mask=ok, other=0.0).to(tl.float32)
             if GELU_B:
                 x = _gelu_tanh(x, BETA, KAPPA, INTERPRET)
             amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
-    tl.store(s_ptr + row, scale)
+    scale = tl.maximum(tl.max(amax, axis=1), 1e-12) / 448.0
+    tl.store(s_ptr + rows, scale, mask=row_ok)
     for k0 in range(0, KA, BLOCK):
         cols = k0 + offs
-        ok = cols < KA
-        x = tl.load(a_ptr + row * a_sr + cols, mask=ok, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        ok = row_ok[:, None] & (cols < KA)[None, :]
+        x = tl.load(a_ptr + rows[:, None] * a_sr + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
         if not INTERPRET:
             y = y.to(tl.float8e4nv)
-        tl.store(q_ptr + row * q_sr + cols, y, mask=ok)
+        tl.store(q_ptr + rows[:, None] * q_sr + cols[None, :], y, mask=ok)
     if HAS_B:
         for k0 in range(0, KB, BLOCK):
             cols = k0 + offs
-            ok = cols < KB
-            x = tl.load(b_ptr + row * b_sr + cols, mask=ok, other=0.0).to(tl.float32)
+            ok = row_ok[:, None] & (cols < KB)[None, :]
+            x = tl.load(b_ptr + rows[:, None] * b_sr + cols[None, :], mask=ok, other=0.0).to(tl.float32)
             if GELU_B:
                 x = _gelu_tanh(x, BETA, KAPPA, INTERPRET)
-            y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+            y = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
             if not INTERPRET:
                 y = y.to(tl.float8e4nv)
-            tl.store(q_ptr + row * q_sr + KA + cols, y, mask=ok)
+            tl.store(q_ptr + rows[:, None] * q_sr + KA + cols[None, :], y, mask=ok)
+
+
+# Tiles measured per row shape on the GPU at first use (each key once; the CUDA-graph warm-up runs eagerly first).
+_CONFIGS = [triton.Config({"ROWS": r, "BLOCK": b}, num_warps=w)
+            for r, b, w in ((1, 1024, 4), (1, 2048, 8), (1, 4096, 8), (2, 1024, 4), (2, 2048, 8), (4, 512, 4),
+                            (4, 1024, 8), (8, 256, 4), (8, 512, 8))]
+_quant_rows_tuned = triton.autotune(configs=_CONFIGS, key=["KA", "KB", "GELU_B", "HAS_B"])(_quant_rows_kernel)
 
 
 def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,10 +89,10 @@ def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool) -> tupl
     scale = torch.empty((M, 1), dtype=torch.float32, device=a.device)
     if M == 0:
         return q.to(torch.float8_e4m3fn), scale
-    block = min(2048, triton.next_power_of_2(max(KA, KB, 16)))
-    _quant_rows_kernel[(M,)](
-        a, a if b is None else b, q, scale, KA, KB, a.stride(0), 0 if b is None else b.stride(0), q.stride(0),
-        GELU_B=bool(gelu_b), HAS_B=b is not None, BLOCK=block, BETA=_GELU_BETA, KAPPA=_GELU_KAPPA,
-        INTERPRET=interpret, num_warps=max(1, min(8, block // 256)),
-    )
-    return (q.to(torch.float8_e4m3fn) if interpret else q), scale
+    args = (a, a if b is None else b, q, scale, M, KA, KB, a.stride(0), 0 if b is None else b.stride(0), q.stride(0))
+    meta = dict(GELU_B=bool(gelu_b), HAS_B=b is not None, BETA=_GELU_BETA, KAPPA=_GELU_KAPPA, INTERPRET=interpret)
+    if interpret:  # no timing in the interpreter: two rows per program, blocks small enough to wrap
+        _quant_rows_kernel[(triton.cdiv(M, 2),)](*args, ROWS=2, BLOCK=1024, **meta)
+        return q.to(torch.float8_e4m3fn), scale
+    _quant_rows_tuned[lambda m: (triton.cdiv(M, m["ROWS"]),)](*args, **meta)
+    return q, scale
