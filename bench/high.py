@@ -52,6 +52,7 @@ class Variant:
     fast_norm: bool = False
     cuda_graphs: bool = False
     mount_gelu: bool = True  # the current high tier's GELU sites (no effect where fp8 takes the GELU)
+    step_cache: float | None = None  # First-Block-Cache threshold: end to end only (a single step never skips)
 
 
 VARIANTS = [
@@ -63,6 +64,7 @@ VARIANTS = [
     Variant("high + fp8 + fused_projections + fast_norm", fp8=True, fused_projections=True, fast_norm=True),
     Variant("high + fp8 + fused_projections + fast_norm + cuda_graphs", fp8=True, fused_projections=True,
             fast_norm=True, cuda_graphs=True),
+    Variant("high + fp8 + fused_projections + step_cache 0.1", fp8=True, fused_projections=True, step_cache=0.1),
 ]
 
 
@@ -99,6 +101,7 @@ def build_variants(ours: FluxServePipeline, variants: list[Variant]) -> tuple[di
         pipe = FluxServePipeline(forms[key], source=ours.source)
         pipe.fused_projections, pipe.fp8 = key
         pipe.high_fast_norm = v.fast_norm
+        pipe.high_step_cache = v.step_cache
         if v.cuda_graphs:
             pipe.enable_cuda_graphs()
         built[v.name] = pipe
@@ -232,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         fns["diffusers"] = step_fn(reference, None, inputs)
         fns["lossless"] = lossless_step_fn(ours, inputs)
         for name, pipe in variants.items():
-            fns[name] = step_fn(pipe, by_name[name], inputs)
+            if by_name[name].step_cache is None:
+                fns[name] = step_fn(pipe, by_name[name], inputs)
         try:
             step[f"batch{batch}"] = time_steps(fns, args.warmup, args.repeats)
         except Exception:
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  step batch {batch}: {name}: {t['median_ms']:.2f} ms", flush=True)
         with torch.no_grad():  # closeness of one step's output to lossless, per variant
             base = fns["lossless"]()[0].float()
-            for name in list(variants):
+            for name in [n for n in variants if n in fns]:
                 out = fns[name]()[0].float()
                 step[f"batch{batch}"][name]["rel_err_vs_lossless"] = float((out - base).norm() / base.norm())
 
@@ -265,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                 errors[f"e2e {name} {steps}"] = traceback.format_exc()[-2000:]
                 continue
             p = psnr(r.png, lossless.png)
-            quality[name][str(steps)] = {"psnr_db": None if math.isinf(p) else p, "ssim": ssim(r.png, lossless.png)}
+            quality[name][str(steps)] = {"psnr_db": None if math.isinf(p) else p, "ssim": ssim(r.png, lossless.png),
+                                         "cached_steps": r.timings.get("cached_steps")}
             print(f"  quality {steps} steps: {name}: {quality[name][str(steps)]}", flush=True)
 
     high_name = args.high_set if args.high_set in variants else None
@@ -276,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             "lossless": lambda: ours.generate([req("lossless", args.e2e_steps)], cuda_graphs=False),
             "high": lambda: variants[high_name].generate([req("high", args.e2e_steps)], compiled=False),
         }
+        for name in variants:  # the step cache shows only end to end
+            if by_name[name].step_cache is not None:
+                fns[name] = (lambda n: lambda: variants[n].generate([req("high", args.e2e_steps)]))(name)
         times: dict[str, list[float]] = defaultdict(list)
         for i in range(1 + args.e2e_repeats):
             for name, fn in fns.items():
@@ -297,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     techniques = []
     for v in VARIANTS:
         row: dict[str, Any] = {"name": v.name, "fused_projections": v.fused_projections, "fp8": v.fp8,
-                               "fast_norm": v.fast_norm, "cuda_graphs": v.cuda_graphs}
+                               "fast_norm": v.fast_norm, "cuda_graphs": v.cuda_graphs, "step_cache": v.step_cache}
+        if v.name in e2e:
+            row["e2e_s"] = e2e[v.name]
+            row["e2e_speedup_vs_diffusers"] = e2e["diffusers"] / e2e[v.name]
         if v.name in errors:
             row["error"] = errors[v.name]
         for key, s in step.items():
@@ -376,6 +387,12 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
             f"| {t['name']} | {f(t.get('step_ms_batch1'), '.2f')} | {f(t.get('speedup_vs_diffusers_batch1'), '.2f')} | "
             f"{f(t.get('step_ms_batch2'), '.2f')} | {f(t.get('speedup_vs_diffusers_batch2'), '.2f')} | "
             f"{f(t.get('rel_err_vs_lossless_batch1'), '.2e')} | {cells} | {t['meets_bar']} |")
+    cached = [t for t in r["techniques"] if t.get("step_cache") is not None]
+    for t in cached:
+        steps_text = ", ".join(f"{s} steps: {q.get('cached_steps')} skipped" for s, q in t["quality"].items())
+        lines += ["", f"`{t['name']}`: end to end {f(t.get('e2e_s'), '.3f')} s "
+                      f"({f(t.get('e2e_speedup_vs_diffusers'), '.2f')}x diffusers); {steps_text}. Random weights have "
+                      "no real step-to-step behaviour: this says nothing of the cache's quality on a trained model."]
     lines += ["", f"High set: `{r['high_set']}`. Step speed-up over diffusers (B=1): "
               f"{f(r['high_step_speedup'], '.2f')}x. End to end ({r['e2e_steps']} steps, median of "
               f"{r['e2e_repeats']}): {r['e2e_s']} -> {f(r['high_e2e_speedup'], '.2f')}x. Lossless PNG md5 and "

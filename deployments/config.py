@@ -87,6 +87,10 @@ class PoolArgs:
     # and compile is off (AppArgs.parse).
     fused_projections: bool = False
     fp8: bool = False
+    # High pool only: First-Block-Cache (a step whose first block's residual changed by less than this fraction
+    # since the last computed step reuses that step's residual of the other blocks). Not bit-exact; off (null) by
+    # default: its quality can only be judged on trained weights. Not with cuda_graphs.
+    step_cache_threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,7 @@ class AppArgs:
                     raise ValueError(f"args.pools.{q}.{key} and compile exclude each other (their combination is "
                                      "not measured yet); choose one")
             _check_cuda_graphs(pool, q)
+            _check_step_cache(pool, q)
             pools[q] = pool
         args = AppArgs(limits=Limits(**limits_raw), pools=pools, **raw)
         for q, pool in pools.items():
@@ -257,6 +262,23 @@ def _check_cuda_graphs(pool: PoolArgs, name: str) -> None:
     if pool.compile:
         raise ValueError(f"args.pools.{name}: cuda_graphs and compile exclude each other (a compiled batch never "
                          "replays graphs); choose one")
+
+
+def _check_step_cache(pool: PoolArgs, name: str) -> None:
+    t = pool.step_cache_threshold
+    if t is None:
+        return
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < 1:
+        raise ValueError(f"args.pools.{name}.step_cache_threshold must be a number in [0, 1) or null, got {t!r}")
+    if name != "high":
+        raise ValueError(f"args.pools.{name}.step_cache_threshold is for the high pool only: skipped steps are not "
+                         f"bit-exact, and the {name} pool must stay byte-identical to eager diffusers")
+    if pool.cuda_graphs:
+        raise ValueError(f"args.pools.{name}: step_cache_threshold and cuda_graphs exclude each other (the cache "
+                         "decides per step on the host)")
+    if pool.tp != 1:
+        raise ValueError(f"args.pools.{name}.step_cache_threshold is not supported with tp > 1 yet (got tp={pool.tp}): "
+                         "every rank would have to take the same skip decision")
 
 
 def _reject_unknown(raw: dict[str, Any], cls: type, where: str) -> None:

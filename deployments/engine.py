@@ -79,6 +79,7 @@ class LocalEngine:
         torch.set_num_threads(int(threads))
         self.pipe = load_pipeline(args.model, device=args.device, dtype=torch_dtype(args.dtype))
         self.pipe.high_fast_norm = pool_args.fast_norm
+        self.pipe.high_step_cache = pool_args.step_cache_threshold
         self.high_form = self._convert_for_high(pool_args)
         if pool_args.compile:
             self.warm_up_compile()

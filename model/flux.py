@@ -55,6 +55,7 @@ IN_PLACE = switches.register("single_block_in_place", True,
 __all__ = [
     "FluxTransformer",
     "StepExecution",
+    "FirstBlockCache",
     "running",
     "execution_of",
     "FluxTransformerBlock",
@@ -461,6 +462,34 @@ def run_single_block(
     return block.forward_joint(joint, temb, image_rotary_emb)
 
 
+class FirstBlockCache:
+    """A step cache for one batch (First-Block-Cache): when the first double block's residual changed by less than
+    `threshold` (mean absolute change over mean magnitude) since the last fully computed step, skip every other
+    block and reuse that step's image residual of the skipped blocks. Not bit-exact (high tier only).
+
+    The decision reads one scalar per step back to the host, so a step with the cache never replays a CUDA graph.
+    """
+
+    def __init__(self, threshold: float) -> None:
+        if not threshold >= 0:
+            raise ValueError(f"step cache threshold must be >= 0, got {threshold!r}")
+        self.threshold = float(threshold)
+        self.computed = 0  # steps that ran every block
+        self.skipped = 0  # steps that reused the cached residual
+        self._first_residual: torch.Tensor | None = None
+        self._rest_residual: torch.Tensor | None = None
+
+    def can_skip(self, first_residual: torch.Tensor) -> bool:
+        prev = self._first_residual
+        if prev is None or self._rest_residual is None or prev.shape != first_residual.shape:
+            return False
+        change = (first_residual - prev).abs().mean() / prev.abs().mean().clamp_min(1e-12)
+        return bool(change < self.threshold)
+
+    def store(self, first_residual: torch.Tensor, rest_residual: torch.Tensor) -> None:
+        self._first_residual, self._rest_residual = first_residual, rest_residual
+
+
 @dataclass(frozen=True)
 class StepExecution:
     """How one batch runs a transformer's forward: compiled block runners (double, single) and/or CUDA-graph
@@ -470,6 +499,7 @@ class StepExecution:
     transformer: nn.Module
     block_runners: tuple[Any, Any] | None = None
     step_graphs: StepGraphs | None = None
+    step_cache: FirstBlockCache | None = None
 
 
 _EXECUTION: ContextVar[StepExecution | None] = ContextVar("fluxserve_step_execution", default=None)
@@ -477,11 +507,15 @@ _EXECUTION: ContextVar[StepExecution | None] = ContextVar("fluxserve_step_execut
 
 @contextmanager
 def running(transformer: nn.Module, *, block_runners: tuple[Any, Any] | None = None,
-            step_graphs: StepGraphs | None = None) -> Iterator[StepExecution]:
-    """Run `transformer`'s forwards in this thread with these block runners / step graphs until the block ends."""
+            step_graphs: StepGraphs | None = None,
+            step_cache: FirstBlockCache | None = None) -> Iterator[StepExecution]:
+    """Run `transformer`'s forwards in this thread with these block runners / step graphs / step cache until the
+    block ends."""
     if block_runners is not None and step_graphs is not None:
         raise ValueError("compiled block runners never replay CUDA graphs: pass one or the other")
-    token = _EXECUTION.set(StepExecution(transformer, block_runners, step_graphs))
+    if step_cache is not None and step_graphs is not None:
+        raise ValueError("a step cache decides per step on the host: it never replays CUDA graphs")
+    token = _EXECUTION.set(StepExecution(transformer, block_runners, step_graphs, step_cache))
     try:
         yield _EXECUTION.get()
     finally:
@@ -653,12 +687,20 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         checkpointing = torch.is_grad_enabled() and self.gradient_checkpointing
         ex = execution_of(self)
         run_double, run_single = (ex and ex.block_runners) or (run_double_block, run_single_block)
+        cache = ex.step_cache if ex is not None and controlnet_block_samples is None else None
+        after_first = None
         for index_block, block in enumerate(self.transformer_blocks):
             args = (hidden_states, encoder_hidden_states, temb, image_rotary_emb)
             if checkpointing:
                 encoder_hidden_states, hidden_states = self._gradient_checkpointing_func(block, *args)
             else:
                 encoder_hidden_states, hidden_states = run_double(block, *args)
+            if cache is not None and index_block == 0:
+                first_residual = hidden_states - args[0]
+                if cache.can_skip(first_residual):
+                    cache.skipped += 1
+                    return self._output(hidden_states + cache._rest_residual, temb, return_dict)
+                after_first = hidden_states
             if controlnet_block_samples is not None:
                 interval = int(np.ceil(len(self.transformer_blocks) / len(controlnet_block_samples)))
                 if controlnet_blocks_repeat:  # XLabs ControlNet
@@ -685,7 +727,13 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
                 joint = torch.cat([joint[:, :text_len], image], dim=1)
         if joint is not None:
             hidden_states = joint[:, text_len:]
+        if after_first is not None:
+            cache.computed += 1
+            cache.store(first_residual, hidden_states - after_first)
+        return self._output(hidden_states, temb, return_dict)
 
+    def _output(self, hidden_states: torch.Tensor, temb: torch.Tensor,
+                return_dict: bool) -> torch.Tensor | Transformer2DModelOutput:
         hidden_states = self.norm_out(hidden_states, temb)
         output = self.proj_out(hidden_states)
         if not return_dict:

@@ -147,6 +147,8 @@ class FluxServePipeline:
         self.high_fast_norm = False
         # CUDA graphs of the transformer step; None until enable_cuda_graphs().
         self._step_graphs: StepGraphs | None = None
+        # "high" batches only: First-Block-Cache threshold (not bit-exact); None: every step computed.
+        self.high_step_cache: float | None = None
         # The transformer's high-tier lifetime form (convert_for_high): then it serves "high" batches only.
         self.fp8 = False
         self.fused_projections = False
@@ -300,7 +302,8 @@ class FluxServePipeline:
             raise ValueError(f"this pipeline's transformer was converted for the high tier (fp8={self.fp8}, "
                              f"fused_projections={self.fused_projections}): it cannot serve {quality!r} batches")
         return plan_tier(quality, fast_norm=self.high_fast_norm and self._fast_norm_applies(), compiled=compiled,
-                         cuda_graphs=cuda_graphs, fp8=self.fp8, fused_projections=self.fused_projections)
+                         cuda_graphs=cuda_graphs, fp8=self.fp8, fused_projections=self.fused_projections,
+                         step_cache=self.high_step_cache)
 
     def generate(self, requests: list[GenerationRequest], progress: bool = False,
                  should_stop: Callable[[], bool] | None = None,
@@ -324,6 +327,8 @@ class FluxServePipeline:
             _sync(self.device)
             t2 = time.perf_counter()
         timings = {"mount_s": t1 - t0, "pipeline_s": t2 - t1, "total_s": t2 - t0, "batch_size": float(len(requests))}
+        if report.step_cache is not None:
+            timings["cached_steps"] = float(report.step_cache.skipped)
         return [GenerationResult(png=png, latents=lat, seed=r.seed, quality=quality,
                                  mounted_sites=report.mounted_sites, timings=dict(timings),
                                  fast_norm_sites=report.fast_norm_sites)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import kernels
 from kernels.modulate import fast_norm_sites, set_fast_norm
-from model.flux import running
+from model.flux import FirstBlockCache, running
 from model.request import Quality
 
 if TYPE_CHECKING:
@@ -37,12 +37,16 @@ class TierPlan:
     # and q/k/v (+ the single block's MLP up-projection) as one GEMM each.
     fp8: bool = False
     fused_projections: bool = False
+    # First-Block-Cache threshold (model.flux.FirstBlockCache), a fresh cache per batch; None: every step computed.
+    step_cache: float | None = None
 
     def __post_init__(self) -> None:
         if self.quality == "lossless" and (self.mount_gelu or self.fast_norm or self.compiled or self.fp8
-                                           or self.fused_projections):
+                                           or self.fused_projections or self.step_cache is not None):
             raise ValueError(f"a lossless plan may not switch on non-exact kernels, compiled blocks or a converted "
                              f"(fp8 / fused-projection) transformer: {self}")
+        if self.step_cache is not None and self.cuda_graphs:
+            raise ValueError("a step cache decides per step on the host: it never replays CUDA graphs")
         if self.fp8 and self.mount_gelu:
             raise ValueError("fp8 layers take their GELU inside the quantization pass: no GELU sites to mount")
         if self.compiled and self.cuda_graphs:
@@ -50,14 +54,16 @@ class TierPlan:
 
 
 def plan_tier(quality: Quality, *, fast_norm: bool = False, compiled: bool = False,
-              cuda_graphs: bool = False, fp8: bool = False, fused_projections: bool = False) -> TierPlan:
+              cuda_graphs: bool = False, fp8: bool = False, fused_projections: bool = False,
+              step_cache: float | None = None) -> TierPlan:
     """The plan of one batch: `high` mounts the GELU sites (unless fp8 layers take the GELU) and takes the opt-ins
     it is given; `lossless` none of them. CUDA graphs apply to either tier, except inside a compiled batch.
     fp8 / fused_projections describe the transformer's form: a lossless plan for a converted transformer raises."""
     high = quality == "high"
+    cache = step_cache if high else None
     return TierPlan(quality, mount_gelu=high and not fp8, fast_norm=high and fast_norm, compiled=high and compiled,
-                    cuda_graphs=cuda_graphs and not (high and compiled), fp8=fp8,
-                    fused_projections=fused_projections)
+                    cuda_graphs=cuda_graphs and not (high and compiled) and cache is None, fp8=fp8,
+                    fused_projections=fused_projections, step_cache=cache)
 
 
 @dataclass
@@ -67,6 +73,7 @@ class TierReport:
     mounted_sites: int = 0
     fast_norm_sites: int = 0
     mount_report: Any = None  # kernels.MountReport of the GELU mount, when the plan mounts
+    step_cache: Any = None  # the batch's model.flux.FirstBlockCache (its computed / skipped step counts)
 
 
 def _restore_lossless(transformer: torch.nn.Module) -> None:
@@ -111,7 +118,9 @@ def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
             # drops the graphs.)
             step_graphs.mode = (plan.quality, report.mounted_sites, report.fast_norm_sites)
             graphs = step_graphs
-        with running(transformer, block_runners=runners, step_graphs=graphs):
+        if plan.step_cache is not None:
+            report.step_cache = FirstBlockCache(plan.step_cache)
+        with running(transformer, block_runners=runners, step_graphs=graphs, step_cache=report.step_cache):
             yield report
     finally:
         _restore_lossless(transformer)

@@ -416,3 +416,82 @@ def test_gpu_pipeline_holds_its_fp8_form_and_graph_replay_equals_eager(tiny_path
     assert isinstance(pipe.transformer.single_transformer_blocks[0].to_qkv_mlp, fp8.Fp8Linear)  # still held
     with pytest.raises(ValueError, match="cannot serve 'lossless'"):
         pipe.generate([_req("lossless")])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Step cache (First-Block-Cache)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _BlockCalls:
+    """Counts double-block calls (single blocks run through `forward_joint`, below any hook)."""
+
+    def __init__(self, m: FluxTransformer) -> None:
+        self.count = 0
+        for block in m.transformer_blocks:
+            block.register_forward_pre_hook(self._hit)
+
+    def _hit(self, *_a) -> None:
+        self.count += 1
+
+
+def test_step_cache_reuses_the_rest_residual_when_the_first_block_barely_changed() -> None:
+    m = _model()
+    inputs = _inputs(2)
+    calls = _BlockCalls(m)
+    with torch.no_grad():
+        full = m(**inputs)[0]
+        calls.count = 0
+        cache = flux_mod.FirstBlockCache(threshold=0.05)
+        with flux_mod.running(m, step_cache=cache):
+            first = m(**inputs)[0]  # computed: nothing cached yet
+            same = m(**inputs)[0]  # same inputs: first residual unchanged -> skipped
+            moved = m(**{**inputs, "hidden_states": inputs["hidden_states"] * 3})[0]  # a large change: computed
+    assert torch.equal(first, full)
+    assert (cache.computed, cache.skipped) == (2, 1)
+    assert calls.count == 2 + 1 + 2  # both double blocks per computed step, the first one only when skipped
+    assert torch.allclose(same, full, rtol=1e-5, atol=1e-5)  # skipped step: first block + the cached residual
+    assert not torch.allclose(moved, full)
+
+
+def test_step_cache_threshold_zero_never_skips_and_the_lossless_plan_refuses_it() -> None:
+    from model.tiers import TierPlan, plan_tier
+
+    m = _model()
+    inputs = _inputs(1)
+    cache = flux_mod.FirstBlockCache(0.0)
+    with torch.no_grad(), flux_mod.running(m, step_cache=cache):
+        outs = [m(**inputs)[0] for _ in range(3)]
+    assert (cache.computed, cache.skipped) == (3, 0) and all(torch.equal(o, outs[0]) for o in outs)
+    assert plan_tier("lossless", step_cache=0.1).step_cache is None
+    plan = plan_tier("high", step_cache=0.1, cuda_graphs=True)
+    assert plan.step_cache == 0.1 and not plan.cuda_graphs  # a cached batch never replays graphs
+    with pytest.raises(ValueError, match="lossless plan"):
+        TierPlan("lossless", step_cache=0.1)
+    with pytest.raises(ValueError, match=">= 0"):
+        flux_mod.FirstBlockCache(-1)
+
+
+def test_pipeline_step_cache_counts_skipped_steps(tiny_path: Path) -> None:
+    pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    base = pipe.generate([GenerationRequest("a red fox", height=64, width=64, steps=6, seed=1, quality="high")])[0]
+    assert "cached_steps" not in base.timings
+    pipe.high_step_cache = 0.9  # random tiny weights: a loose threshold so that some steps are skipped
+    got = pipe.generate([GenerationRequest("a red fox", height=64, width=64, steps=6, seed=1, quality="high")])[0]
+    assert 1 <= got.timings["cached_steps"] <= 5
+    assert not torch.equal(got.latents, base.latents)
+    lossless = pipe.generate([GenerationRequest("a red fox", height=64, width=64, steps=6, seed=1)])[0]
+    assert "cached_steps" not in lossless.timings  # lossless never caches
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"pools": {"lossless": {"step_cache_threshold": 0.1}}}, "high pool only"),
+    ({"pools": {"high": {"step_cache_threshold": 1.5}}}, r"\[0, 1\)"),
+    ({"pools": {"high": {"step_cache_threshold": True}}}, r"\[0, 1\)"),
+    ({"device": "cuda", "pools": {"high": {"step_cache_threshold": 0.1, "cuda_graphs": True}}}, "exclude each other"),
+    ({"pools": {"high": {"step_cache_threshold": 0.1, "tp": 2, "fp8": False, "fused_projections": False}}}, "tp > 1"),
+])
+def test_bad_step_cache_options_are_config_errors(raw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AppArgs.parse(raw)
+    assert AppArgs.parse({"pools": {"high": {"step_cache_threshold": 0.1}}}).pools["high"].step_cache_threshold == 0.1
