@@ -6,6 +6,7 @@ Kept free of Ray and torch imports so the ingress and the tests can use it cheap
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -27,6 +28,8 @@ class Limits:
     max_n: int = 4
     max_prompt_chars: int = 2000
     max_guidance: float = 30.0
+    max_loras: int = 4  # LoRA adapters one request may combine
+    max_lora_scale: float = 8.0  # |scale| of each
 
     def check_size(self, size: str) -> tuple[int, int]:
         """A request's "WxH" -> (height, width) within these limits; BadRequest("size", reason) otherwise."""
@@ -114,6 +117,10 @@ class AppArgs:
     # `Authorization: Bearer <key>`. Keys stay out of the config (Serve shows deployment args): the config names a
     # file, or the environment does (FLUXSERVE_API_KEYS_FILE, used when this is unset).
     api_keys_file: str | None = None
+    # LoRA adapters every replica loads once at start: name -> local .safetensors file (a format diffusers' FLUX
+    # LoRA loader reads). A request picks some by name with scales (`"lora": [{"name": ..., "scale": ...}]`).
+    # Not with tp > 1 or compile yet; the high pool then keeps its linears unconverted (no fp8 / fused projections).
+    loras: dict[str, str] = field(default_factory=dict)
     limits: Limits = field(default_factory=Limits)
     pools: dict[str, PoolArgs] = field(
         default_factory=lambda: {"lossless": PoolArgs(batch_invariant=True),
@@ -135,8 +142,9 @@ class AppArgs:
         for q in QUALITIES:
             given = pools_raw.get(q) or {}
             # The high pool's converted form (it met the quality bar) is on by default where the pool's other
-            # settings admit it (tp 1, not compiled); asked for explicitly elsewhere, it is an error below.
-            convert = q == "high" and given.get("tp", 1) == 1 and not given.get("compile", False)
+            # settings admit it (tp 1, not compiled, no LoRAs); asked for explicitly elsewhere, it is an error below.
+            convert = (q == "high" and given.get("tp", 1) == 1 and not given.get("compile", False)
+                       and not raw.get("loras"))
             p = {"batch_invariant": q == "lossless", "fused_projections": convert, "fp8": convert, **given}
             _reject_unknown(p, PoolArgs, f"args.pools.{q}")
             pool = PoolArgs(**p)
@@ -155,6 +163,7 @@ class AppArgs:
             _check_cuda_graphs(pool, q)
             _check_step_cache(pool, q)
             pools[q] = pool
+        _check_loras(raw.get("loras"), pools)
         args = AppArgs(limits=Limits(**limits_raw), pools=pools, **raw)
         for q, pool in pools.items():
             if pool.cuda_graphs and not str(args.device).startswith("cuda"):
@@ -262,6 +271,31 @@ def _check_cuda_graphs(pool: PoolArgs, name: str) -> None:
     if pool.compile:
         raise ValueError(f"args.pools.{name}: cuda_graphs and compile exclude each other (a compiled batch never "
                          "replays graphs); choose one")
+
+
+_LORA_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def _check_loras(loras: Any, pools: dict[str, PoolArgs]) -> None:
+    if loras is None:
+        return
+    if not isinstance(loras, dict):
+        raise ValueError(f"args.loras must map adapter names to .safetensors files, got {loras!r}")
+    for name, path in loras.items():
+        if not isinstance(name, str) or not _LORA_NAME.match(name):
+            raise ValueError(f"args.loras: adapter name {name!r} must be 1-64 of letters, digits, '_', '.', '-'")
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"args.loras.{name} must be a file path, got {path!r}")
+    if not loras:
+        return
+    for q, pool in pools.items():
+        if pool.tp != 1:
+            raise ValueError(f"args.loras is not supported with tp > 1 yet (pool {q} has tp={pool.tp})")
+        if pool.compile:
+            raise ValueError(f"args.loras is not supported with compile yet (pool {q})")
+        if pool.fp8 or pool.fused_projections:
+            raise ValueError(f"args.loras: pool {q} has fp8 / fused_projections on, which convert the linears the "
+                             "adapters wrap; turn them off for a deployment that serves LoRAs")
 
 
 def _check_step_cache(pool: PoolArgs, name: str) -> None:

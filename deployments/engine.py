@@ -80,6 +80,8 @@ class LocalEngine:
         self.pipe = load_pipeline(args.model, device=args.device, dtype=torch_dtype(args.dtype))
         self.pipe.high_fast_norm = pool_args.fast_norm
         self.pipe.high_step_cache = pool_args.step_cache_threshold
+        if args.loras:
+            self.pipe.load_loras(args.loras)
         self.high_form = self._convert_for_high(pool_args)
         if pool_args.compile:
             self.warm_up_compile()

@@ -7,6 +7,7 @@ so they can come from serve_config.yaml.
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 from typing import Literal
@@ -23,6 +24,15 @@ SEED_MAX = SEED_LIMIT - 1
 # is our lossless tier; our own "high" keeps its meaning (the faster, approximate tier), so OpenAI's "high" is not
 # an alias. gpt-image's "low"/"medium" promise a worse image than we are asked to make: refused with the list.
 QUALITY_ALIASES: dict[str, str | None] = {"auto": None, "standard": None, "hd": "lossless"}
+
+
+class LoraRef(BaseModel):
+    """One LoRA adapter of a request: a name the server serves (`args.loras`) and its scale."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+    scale: StrictFloat | StrictInt = 1.0
 
 
 class ImageRequest(BaseModel):
@@ -56,6 +66,9 @@ class ImageRequest(BaseModel):
     )
     background: Literal["auto", "opaque"] = Field("auto", description="Images are opaque; transparent is refused.")
     moderation: Literal["auto", "low"] = Field("auto", description="Accepted for OpenAI clients; no moderation runs.")
+    lora: list[LoraRef] | None = Field(
+        None, description='LoRA adapters the server serves, by name, with scales: [{"name": "ink", "scale": 0.8}].'
+    )
 
 
 class ImageDatum(BaseModel):
@@ -144,6 +157,26 @@ def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
         raise BadRequest("output_compression", "output_compression applies to jpeg and webp only (png is lossless)")
     if not 0 <= compression <= 100:
         raise BadRequest("output_compression", f"output_compression must be between 0 and 100, got {compression}")
-    jobs = [GenerationRequest(req.prompt, height, width, steps, guidance, seed + i, quality) for i in range(req.n)]
+    loras = _loras(req.lora or [], args)
+    jobs = [GenerationRequest(req.prompt, height, width, steps, guidance, seed + i, quality, loras)
+            for i in range(req.n)]
     return Validated(jobs=jobs, timeout_s=timeout_s, size=format_size(height, width),
                      output_format=req.output_format, output_compression=compression)
+
+
+def _loras(refs: list[LoraRef], args: AppArgs) -> tuple[tuple[str, float], ...]:
+    """The request's adapters as (name, scale) pairs sorted by name (one batch key per set, whatever the order)."""
+    lim = args.limits
+    if len(refs) > lim.max_loras:
+        raise BadRequest("lora", f"at most {lim.max_loras} LoRA adapters per request, got {len(refs)}")
+    seen: set[str] = set()
+    for ref in refs:
+        if ref.name not in args.loras:
+            served = sorted(args.loras) or "none"
+            raise BadRequest("lora", f"unknown LoRA adapter {ref.name!r}; this server serves {served}")
+        if ref.name in seen:
+            raise BadRequest("lora", f"LoRA adapter {ref.name!r} is named twice")
+        seen.add(ref.name)
+        if not math.isfinite(ref.scale) or abs(ref.scale) > lim.max_lora_scale:
+            raise BadRequest("lora", f"LoRA scale must be finite and within +-{lim.max_lora_scale}, got {ref.scale}")
+    return tuple(sorted((ref.name, float(ref.scale)) for ref in refs))

@@ -23,6 +23,23 @@ def _gelu_tanh(x, BETA: tl.constexpr, KAPPA: tl.constexpr, INTERPRET: tl.constex
 
 
 @triton.jit
+def _load_rows(ptr, rows, row_stride, cols, ok, GELU: tl.constexpr, BETA: tl.constexpr, KAPPA: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    x = tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    if GELU:
+        x = _gelu_tanh(x, BETA, KAPPA, INTERPRET)
+    return x
+
+
+@triton.jit
+def _store_fp8(q_ptr, rows, q_sr, cols, x, scale, ok, INTERPRET: tl.constexpr):
+    y = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+    if not INTERPRET:
+        y = y.to(tl.float8e4nv)
+    tl.store(q_ptr + rows[:, None] * q_sr + cols[None, :], y, mask=ok)
+
+
+@triton.jit
 def _quant_rows_kernel(
     a_ptr, b_ptr, q_ptr, s_ptr, M, KA, KB, a_sr, b_sr, q_sr,
     GELU_B: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -40,37 +57,25 @@ def _quant_rows_kernel(
     for k0 in range(0, KA, BLOCK):
         cols = k0 + offs
         ok = row_ok[:, None] & (cols < KA)[None, :]
-        x = tl.load(a_ptr + rows[:, None] * a_sr + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
+        amax = tl.maximum(amax, tl.abs(_load_rows(a_ptr, rows, a_sr, cols, ok, False, BETA, KAPPA, INTERPRET)))
     if HAS_B:
         for k0 in range(0, KB, BLOCK):
             cols = k0 + offs
             ok = row_ok[:, None] & (cols < KB)[None, :]
-            x = tl.load(b_ptr + rows[:, None] * b_sr + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            if GELU_B:
-                x = _gelu_tanh(x, BETA, KAPPA, INTERPRET)
-            amax = tl.maximum(amax, tl.abs(x))
+            amax = tl.maximum(amax, tl.abs(_load_rows(b_ptr, rows, b_sr, cols, ok, GELU_B, BETA, KAPPA, INTERPRET)))
     scale = tl.maximum(tl.max(amax, axis=1), 1e-12) / 448.0
     tl.store(s_ptr + rows, scale, mask=row_ok)
     for k0 in range(0, KA, BLOCK):
         cols = k0 + offs
         ok = row_ok[:, None] & (cols < KA)[None, :]
-        x = tl.load(a_ptr + rows[:, None] * a_sr + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
-        if not INTERPRET:
-            y = y.to(tl.float8e4nv)
-        tl.store(q_ptr + rows[:, None] * q_sr + cols[None, :], y, mask=ok)
+        x = _load_rows(a_ptr, rows, a_sr, cols, ok, False, BETA, KAPPA, INTERPRET)
+        _store_fp8(q_ptr, rows, q_sr, cols, x, scale, ok, INTERPRET)
     if HAS_B:
         for k0 in range(0, KB, BLOCK):
             cols = k0 + offs
             ok = row_ok[:, None] & (cols < KB)[None, :]
-            x = tl.load(b_ptr + rows[:, None] * b_sr + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            if GELU_B:
-                x = _gelu_tanh(x, BETA, KAPPA, INTERPRET)
-            y = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
-            if not INTERPRET:
-                y = y.to(tl.float8e4nv)
-            tl.store(q_ptr + rows[:, None] * q_sr + KA + cols[None, :], y, mask=ok)
+            x = _load_rows(b_ptr, rows, b_sr, cols, ok, GELU_B, BETA, KAPPA, INTERPRET)
+            _store_fp8(q_ptr, rows, q_sr, KA + cols, x, scale, ok, INTERPRET)
 
 
 # Tiles measured per row shape on the GPU at first use (each key once; the CUDA-graph warm-up runs eagerly first).

@@ -147,6 +147,8 @@ class FluxServePipeline:
         self.high_fast_norm = False
         # CUDA graphs of the transformer step; None until enable_cuda_graphs().
         self._step_graphs: StepGraphs | None = None
+        # LoRA adapters loaded once (load_loras): name -> file; a batch activates the ones its requests name.
+        self.loras: dict[str, str] = {}
         # "high" batches only: First-Block-Cache threshold (not bit-exact); None: every step computed.
         self.high_step_cache: float | None = None
         # The transformer's high-tier lifetime form (convert_for_high): then it serves "high" batches only.
@@ -246,6 +248,33 @@ class FluxServePipeline:
         self.compile_warmup_s = time.perf_counter() - t0
         return self.compile_warmup_s
 
+    def load_loras(self, loras: dict[str, str]) -> None:
+        """Load LoRA files (any format diffusers' FLUX LoRA loader reads) once, each under its name, all inactive:
+        a batch switches on the adapters its requests name (no reload). Fused projections / fp8 layers must come
+        after (the adapters wrap the plain linears)."""
+        if (self.fp8 or self.fused_projections) and loras:
+            raise ValueError("load LoRAs before converting for high: the adapters target the unfused bf16 linears")
+        with self._lock:
+            for name, path in loras.items():
+                if name in self.loras:
+                    continue
+                self.pipe.load_lora_weights(str(path), adapter_name=name)
+                self.loras[name] = str(path)
+            if self.loras:
+                self.pipe.disable_lora()
+
+    def _activate_loras(self, loras: tuple[tuple[str, float], ...]) -> None:
+        unknown = [name for name, _ in loras if name not in self.loras]
+        if unknown:
+            raise ValueError(f"unknown LoRA adapter(s) {unknown}; loaded: {sorted(self.loras)}")
+        if not self.loras:
+            return
+        if loras:
+            self.pipe.enable_lora()
+            self.pipe.set_adapters([n for n, _ in loras], [float(s) for _, s in loras])
+        else:
+            self.pipe.disable_lora()
+
     def fp8_refusal(self) -> str | None:
         """Why fp8 layers cannot run for this pipeline's transformer, or None when they can."""
         from kernels.fp8 import fp8_refusal
@@ -318,6 +347,7 @@ class FluxServePipeline:
         plan = self.plan(quality, compiled, cuda_graphs)
         with self._lock:
             t0 = time.perf_counter()
+            self._activate_loras(requests[0].loras)
             with applied_tier(self.transformer, plan, block_runners=self._compiled_runners,
                               step_graphs=self._step_graphs, agree=agree) as report:
                 if report.mount_report is not None:

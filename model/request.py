@@ -73,10 +73,12 @@ class GenerationRequest:
     guidance: float = 3.5
     seed: int = 0
     quality: Quality = "lossless"
+    # LoRA adapters served by the deployment, by name, with their scales ((name, scale), ...); () for none.
+    loras: tuple[tuple[str, float], ...] = ()
 
-    def batch_key(self) -> tuple[int, int, int, float, str]:
-        """Only requests with equal keys may share one pipeline call."""
-        return (self.height, self.width, self.steps, self.guidance, self.quality)
+    def batch_key(self) -> tuple:
+        """Only requests with equal keys may share one pipeline call (the adapter set included)."""
+        return (self.height, self.width, self.steps, self.guidance, self.quality, self.loras)
 
 
 def validate_batch(requests: list[GenerationRequest]) -> None:
@@ -96,8 +98,14 @@ def validate_batch(requests: list[GenerationRequest]) -> None:
             raise ValueError(f"steps must be a positive integer, got {r.steps!r}")
         if not isinstance(r.seed, int) or not 0 <= r.seed < SEED_LIMIT:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {r.seed!r}")
+        if not isinstance(r.loras, tuple) or not all(
+                isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], (int, float))
+                for x in r.loras):
+            raise ValueError(f"loras must be a tuple of (name, scale) pairs, got {r.loras!r}")
+        if len({name for name, _ in r.loras}) != len(r.loras):
+            raise ValueError(f"an adapter may appear once per request, got {r.loras!r}")
     first = requests[0].batch_key()
-    names = ("height", "width", "steps", "guidance", "quality")
+    names = ("height", "width", "steps", "guidance", "quality", "loras")
     for r in requests[1:]:
         for name, a, b in zip(names, first, r.batch_key()):
             if a != b:

@@ -1,0 +1,183 @@
+"""LoRA adapters: loaded once per pipeline through diffusers' loader, picked per request by name and scale.
+
+Lossless with adapters is byte-identical to stock diffusers `FluxPipeline` with the same files loaded by
+`load_lora_weights` and the same `set_adapters` scales; adapter sets switch between requests without a reload and
+never share a batch; the HTTP schema refuses unknown names and bad scales; the config refuses what is not supported
+(tp > 1, compile, converted high layers).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from deployments.config import AppArgs  # noqa: E402
+from deployments.errors import BadRequest  # noqa: E402
+from model.loading import diffusers_reference, load_pipeline  # noqa: E402
+from model.pipeline import GenerationRequest, run_flux_pipeline  # noqa: E402
+from model.request import validate_batch  # noqa: E402
+
+TARGETS = ("attn.to_q", "attn.to_v", "attn.to_out.0", "ff.net.2", "proj_out", "proj_mlp")
+
+
+def _write_lora(transformer: torch.nn.Module, path: Path, seed: int, rank: int = 4) -> Path:
+    """A random adapter in diffusers/PEFT key format on every block's targets."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, mod in transformer.named_modules():
+        if "blocks." in name and name.endswith(TARGETS) and isinstance(mod, torch.nn.Linear):
+            sd[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, mod.in_features, generator=g) * 0.2
+            sd[f"transformer.{name}.lora_B.weight"] = torch.randn(mod.out_features, rank, generator=g) * 0.2
+    save_file(sd, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def lora_files(tiny_path: Path, tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("loras")
+    pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    return {"ink": str(_write_lora(pipe.transformer, d / "ink.safetensors", 1)),
+            "sun": str(_write_lora(pipe.transformer, d / "sun.safetensors", 2))}
+
+
+def _req(loras: tuple = (), quality: str = "lossless", seed: int = 5) -> GenerationRequest:
+    return GenerationRequest("a red fox", height=64, width=64, steps=2, seed=seed, quality=quality, loras=loras)
+
+
+def test_lossless_with_adapters_is_byte_identical_to_stock_diffusers_and_switches_without_reload(
+        tiny_path: Path, lora_files: dict[str, str]) -> None:
+    ours = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    ref = diffusers_reference(ours)  # diffusers' own load of the folder
+    ours.load_loras(lora_files)
+    for name, path in lora_files.items():
+        ref.load_lora_weights(path, adapter_name=name)
+
+    def stock(loras: tuple) -> tuple[torch.Tensor, bytes]:
+        if loras:
+            ref.enable_lora()
+            ref.set_adapters([n for n, _ in loras], [s for _, s in loras])
+        else:
+            ref.disable_lora()
+        lat, png = run_flux_pipeline(ref, [_req(loras)])
+        return lat[0], png[0]
+
+    seen = {}
+    for loras in [(("ink", 0.8),), (), (("ink", 0.5),), (("ink", 0.8), ("sun", 0.3)), (("ink", 0.8),)]:
+        got = ours.generate([_req(loras)])[0]
+        lat, png = stock(loras)
+        assert torch.equal(got.latents, lat), loras
+        assert got.png == png, loras
+        seen[loras] = got.latents
+    assert not torch.equal(seen[(("ink", 0.8),)], seen[()])  # the adapter changes the image
+    assert not torch.equal(seen[(("ink", 0.8),)], seen[(("ink", 0.5),)])  # and its scale does
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        ours.generate([_req((("nope", 1.0),))])
+
+
+def test_high_with_an_adapter_runs_unfused_and_stays_close(tiny_path: Path, lora_files: dict[str, str]) -> None:
+    pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    pipe.load_loras({"ink": lora_files["ink"]})
+    lossless = pipe.generate([_req((("ink", 0.8),))])[0]
+    high = pipe.generate([_req((("ink", 0.8),), quality="high")])[0]
+    assert high.mounted_sites == 0  # PEFT layers are not plain linears: the GELU sites refuse, all of them
+    assert torch.allclose(high.latents, lossless.latents, atol=1e-3)
+    with pytest.raises(ValueError, match="before converting"):
+        conv = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+        conv.convert_for_high(fused_projections=True)
+        conv.load_loras({"ink": lora_files["ink"]})
+
+
+def test_adapter_sets_never_share_a_batch() -> None:
+    a, b = _req((("ink", 0.8),)), _req((("ink", 0.5),), seed=6)
+    assert a.batch_key() != b.batch_key() != _req().batch_key()
+    with pytest.raises(ValueError, match="share loras"):
+        validate_batch([a, b])
+    with pytest.raises(ValueError, match="once per request"):
+        validate_batch([_req((("ink", 0.8), ("ink", 0.2)))])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HTTP schema and config
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _validate(body: dict, loras: dict | None = None):
+    pytest.importorskip("pydantic")
+    from deployments.schema import ImageRequest, validate
+
+    args = AppArgs.parse({"loras": loras if loras is not None else {"ink": "/x/ink.safetensors",
+                                                                      "sun": "/x/sun.safetensors"}})
+    return validate(ImageRequest(**{"prompt": "a fox", **body}), args, args.model)
+
+
+def test_request_adapters_become_a_sorted_set_of_every_job() -> None:
+    v = _validate({"n": 2, "lora": [{"name": "sun", "scale": 0.3}, {"name": "ink"}]})
+    assert [j.loras for j in v.jobs] == [(("ink", 1.0), ("sun", 0.3))] * 2
+    assert _validate({}).jobs[0].loras == ()
+
+
+@pytest.mark.parametrize("lora, message", [
+    ([{"name": "nope"}], "unknown LoRA adapter 'nope'; this server serves \\['ink', 'sun'\\]"),
+    ([{"name": "ink"}, {"name": "ink", "scale": 0.5}], "named twice"),
+    ([{"name": "ink", "scale": 9}], "within"),
+    ([{"name": "ink", "scale": float("nan")}], "finite"),
+    ([{"name": n} for n in ("ink", "sun", "a", "b", "c")], "at most 4"),
+])
+def test_bad_adapter_requests_are_400s_with_reasons(lora: list, message: str) -> None:
+    with pytest.raises(BadRequest, match=message) as info:
+        _validate({"lora": lora}, {"ink": "/x/i", "sun": "/x/s", "a": "/x/a", "b": "/x/b", "c": "/x/c"}
+                  if len(lora) == 5 else None)
+    assert info.value.param == "lora"
+
+
+def test_a_server_without_adapters_says_so() -> None:
+    with pytest.raises(BadRequest, match="serves none"):
+        _validate({"lora": [{"name": "ink"}]}, {})
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"loras": ["ink.safetensors"]}, "map adapter names"),
+    ({"loras": {"bad name": "/x"}}, "letters, digits"),
+    ({"loras": {"ink": ""}}, "file path"),
+    ({"loras": {"ink": "/x"}, "pools": {"high": {"tp": 2}}}, "tp > 1"),
+    ({"loras": {"ink": "/x"}, "pools": {"high": {"compile": True}}}, "compile"),
+    ({"loras": {"ink": "/x"}, "pools": {"high": {"fp8": True}}}, "turn them off"),
+])
+def test_bad_lora_configs_are_errors(raw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AppArgs.parse(raw)
+
+
+def test_serving_adapters_keeps_the_high_pool_unconverted_by_default() -> None:
+    high = AppArgs.parse({"loras": {"ink": "/x"}}).pools["high"]
+    assert not high.fp8 and not high.fused_projections
+    assert AppArgs.parse(None).pools["high"].fp8  # without adapters: converted
+
+
+_ENGINE_SCRIPT = """
+import sys
+from deployments.config import AppArgs
+from deployments.engine import LocalEngine
+args = AppArgs.parse({"model": sys.argv[1], "loras": {"ink": sys.argv[2]}})
+for pool in ("lossless", "high"):
+    engine = LocalEngine(args, pool)
+    assert engine.pipe.loras == {"ink": sys.argv[2]}, engine.pipe.loras
+    assert engine.stats()["high_form"] is None
+print("engine loras ok")
+"""
+
+
+def test_each_replica_loads_the_configured_adapters_at_start(tiny_path: Path, lora_files: dict[str, str]) -> None:
+    done = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, str(tiny_path), lora_files["ink"]],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    assert done.returncode == 0 and "engine loras ok" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
