@@ -58,6 +58,78 @@ def _offline() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+# A transformer in the original (BFL) single-file layout: transformer/ holds one .safetensors file with these keys.
+_ORIGINAL_KEY = "double_blocks.0.img_attn.qkv.weight"
+_ORIGINAL_PREFIX = "model.diffusion_model."
+
+
+def single_file_transformer(sub: str | os.PathLike[str]) -> Path | None:
+    """The one original-layout .safetensors file in `sub` (a transformer/ folder), or None (diffusers layout)."""
+    from safetensors import safe_open
+
+    sub = Path(sub)
+    if (sub / "diffusion_pytorch_model.safetensors").is_file() or (
+            sub / "diffusion_pytorch_model.safetensors.index.json").is_file():
+        return None
+    files = sorted(sub.glob("*.safetensors"))
+    if len(files) != 1:
+        return None
+    try:
+        with safe_open(str(files[0]), framework="pt") as f:
+            keys = set(f.keys())
+    except Exception:  # not a safetensors file: the diffusers-layout check reports the folder
+        return None
+    return files[0] if {_ORIGINAL_KEY, _ORIGINAL_PREFIX + _ORIGINAL_KEY} & keys else None
+
+
+def _original_config(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """FluxTransformer config of an original-layout state dict (after the prefix is stripped), from its shapes.
+    The RoPE axes are not in a checkpoint: FLUX.1's (16, 56, 56) unless transformer/config.json says otherwise."""
+    head_dim = sd["double_blocks.0.img_attn.norm.query_norm.scale"].shape[0]
+    inner = sd["img_in.weight"].shape[0]
+    return dict(
+        patch_size=1, in_channels=sd["img_in.weight"].shape[1], out_channels=sd["final_layer.linear.weight"].shape[0],
+        num_layers=len({k.split(".")[1] for k in sd if k.startswith("double_blocks.")}),
+        num_single_layers=len({k.split(".")[1] for k in sd if k.startswith("single_blocks.")}),
+        attention_head_dim=head_dim, num_attention_heads=inner // head_dim,
+        joint_attention_dim=sd["txt_in.weight"].shape[1], pooled_projection_dim=sd["vector_in.in_layer.weight"].shape[1],
+        guidance_embeds="guidance_in.in_layer.weight" in sd, axes_dims_rope=(16, 56, 56),
+    )
+
+
+def load_single_file_transformer(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
+                                 config: dict[str, Any] | None = None) -> torch.nn.Module:
+    """Our FluxTransformer from an original-layout single file, through diffusers' own key conversion
+    (`convert_flux_transformer_checkpoint_to_diffusers`). Every converted key must match a parameter."""
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+    from safetensors.torch import load_file
+
+    from model.flux import FluxTransformer
+
+    path = Path(path)
+    try:
+        sd = load_file(str(path))
+    except Exception as exc:
+        raise ModelLoadError(path, "transformer", f"unreadable single file ({type(exc).__name__}: {exc})") from exc
+    sd = {k.removeprefix(_ORIGINAL_PREFIX): v for k, v in sd.items()}
+    try:
+        cfg = {**_original_config(sd), **(config or {})}
+    except KeyError as exc:
+        raise ModelLoadError(path, "transformer", f"not a FLUX.1 checkpoint (missing {exc})") from None
+    if cfg["num_attention_heads"] * cfg["attention_head_dim"] != 3072:
+        # diffusers' converter splits the single blocks' fused projection at FLUX.1's width
+        raise ModelLoadError(path, "transformer", "diffusers' single-file conversion supports FLUX.1's width 3072 "
+                                                  f"only, this checkpoint is {sd['img_in.weight'].shape[0]} wide")
+    converted = convert_flux_transformer_checkpoint_to_diffusers(dict(sd))
+    with torch.device("meta"):
+        model = FluxTransformer(**cfg)
+    missing, unexpected = model.load_state_dict(converted, strict=False, assign=True)
+    if missing or unexpected:
+        raise ModelLoadError(path, "transformer", f"checkpoint does not match FluxTransformer: missing {missing}, "
+                                                  f"unexpected {unexpected}")
+    return model.to(dtype).eval()
+
+
 def check_folder(path: str | os.PathLike[str]) -> Path:
     """Check that `path` looks like a complete diffusers FLUX.1 folder; raise ModelLoadError naming what is not."""
     root = Path(path)
@@ -77,6 +149,8 @@ def check_folder(path: str | os.PathLike[str]) -> Path:
         sub = root / component
         if not sub.is_dir():
             raise ModelLoadError(root, component, f"subfolder {component}/ missing")
+        if component == "transformer" and single_file_transformer(sub) is not None:
+            continue
         for names in groups:
             if not any((sub / n).is_file() for n in names):
                 raise ModelLoadError(root, component, f"missing {' or '.join(names)}")
@@ -93,12 +167,16 @@ def check_folder(path: str | os.PathLike[str]) -> Path:
 
 def load_transformer(folder: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                      cls: type | None = None) -> torch.nn.Module:
-    """Load transformer/ of a FLUX.1 folder (single file or sharded safetensors) into our FluxTransformer
-    (or `cls`), requiring every checkpoint key to match a parameter and vice versa."""
+    """Load transformer/ of a FLUX.1 folder (diffusers layout: single file or sharded safetensors; or one file in
+    the original single-file layout) into our FluxTransformer (or `cls`), requiring every checkpoint key to match a
+    parameter and vice versa."""
     _offline()
     if cls is None:
         from model.flux import FluxTransformer as cls  # noqa: N813 - the class under its contract name
     root = Path(folder)
+    single = single_file_transformer(root / "transformer")
+    if single is not None:
+        return _load_single(root, single, dtype, cls)
     try:
         model, info = cls.from_pretrained(root, subfolder="transformer", **_dtype_kwarg(dtype), local_files_only=True,
                                           output_loading_info=True)
@@ -110,6 +188,28 @@ def load_transformer(folder: str | os.PathLike[str], dtype: torch.dtype = torch.
     # requires_grad stays as diffusers leaves it (True): on CPU it changes aten's matmul folding of 3-D inputs
     # (hence the GEMM shape and the rounding), and lossless means "the same ops as stock diffusers".
     return model.eval()
+
+
+def _load_single(root: Path, single: Path, dtype: torch.dtype, cls: type) -> torch.nn.Module:
+    """transformer/ holds one original-layout file: ours through diffusers' key conversion; diffusers' own class
+    (the reference) through its `from_single_file`, an independent path."""
+    config_file = root / "transformer" / "config.json"
+    config = None
+    if config_file.is_file():
+        config = {k: v for k, v in json.loads(config_file.read_text()).items() if not k.startswith("_")}
+    from model.flux import FluxTransformer
+
+    if cls is FluxTransformer:
+        return load_single_file_transformer(single, dtype, config)
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    cfg = {**_original_config({k.removeprefix(_ORIGINAL_PREFIX): v for k, v in load_file(str(single)).items()}),
+           **(config or {})}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps({"_class_name": cls.__name__, **cfg}))
+        return cls.from_single_file(str(single), config=tmp, local_files_only=True, **_dtype_kwarg(dtype)).eval()
 
 
 def load_flux_pipeline(folder: str | os.PathLike[str], transformer: torch.nn.Module,
