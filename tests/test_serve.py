@@ -765,3 +765,50 @@ def _actor_names(pool: str) -> dict:
     from ray import serve
 
     return serve.get_deployment_handle(pool, app_name=APP).actor_names.remote().result(timeout_s=10)
+
+
+@pytest.fixture
+def lora_app(serve_app: dict, tiny_path: Path, tmp_path: Path):
+    """An app serving one LoRA adapter (a random one, in diffusers/PEFT keys)."""
+    pytest.importorskip("peft")
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(7)
+    sd = {}
+    for name, mod in serve_app["pipe"].transformer.named_modules():
+        if "blocks." in name and name.endswith(("attn.to_q", "attn.to_v", "ff.net.2")):
+            sd[f"transformer.{name}.lora_A.weight"] = torch.randn(4, mod.in_features, generator=g) * 0.2
+            sd[f"transformer.{name}.lora_B.weight"] = torch.randn(mod.out_features, 4, generator=g) * 0.2
+    path = tmp_path / "ink.safetensors"
+    save_file(sd, str(path))
+    with _side_app(serve_app, "lora", loras={"ink": str(path)}) as app:
+        yield {**app, "lora_path": str(path)}
+
+
+def test_a_request_picks_a_lora_by_name_byte_identical_to_stock_diffusers(lora_app: dict, tiny_path: Path) -> None:
+    openai = pytest.importorskip("openai")
+    import torch
+    from diffusers import FluxPipeline
+
+    from model.pipeline import GenerationRequest, max_sequence_length, png_bytes, request_generators
+
+    client = openai.OpenAI(base_url=lora_app["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    body = {"seed": 3, "steps": 2, "quality": "lossless"}
+    with_ink = client.images.generate(prompt="a red fox", size="64x64",
+                                      extra_body={**body, "lora": [{"name": "ink", "scale": 0.7}]})
+    plain = client.images.generate(prompt="a red fox", size="64x64", extra_body=body)
+    stock = FluxPipeline.from_pretrained(str(tiny_path), torch_dtype=torch.float32, local_files_only=True)
+    stock.load_lora_weights(lora_app["lora_path"], adapter_name="ink")
+    stock.set_adapters(["ink"], [0.7])
+    req = GenerationRequest("a red fox", height=64, width=64, steps=2, seed=3)
+    image = stock(prompt=["a red fox"], height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
+                  generator=request_generators([req]), max_sequence_length=max_sequence_length(stock)).images[0]
+    assert base64.b64decode(with_ink.data[0].b64_json) == png_bytes(image)
+    assert with_ink.data[0].b64_json != plain.data[0].b64_json
+    high = client.images.generate(prompt="a red fox", size="64x64",
+                                  extra_body={**body, "quality": "high", "lora": [{"name": "ink"}]})
+    assert high.data[0].b64_json
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.images.generate(prompt="a red fox", size="64x64", extra_body={"lora": [{"name": "oil"}]})
+    assert exc.value.status_code == 400 and "unknown LoRA adapter 'oil'; this server serves ['ink']" in str(exc.value)
