@@ -100,7 +100,7 @@ class LocalEngine:
         if fp8:
             refused = self.pipe.fp8_refusal()
             if refused is not None:
-                logger.warning("pool=%s: fp8 refused (%s); serving with bf16 layers", self.pool, refused)
+                logger.warning("pool=%s: fp8 refused (%s); serving without fp8", self.pool, refused)
                 fp8 = False
         form = self.pipe.convert_for_high(fp8=fp8, fused_projections=pool_args.fused_projections)
         form["fp8_refused"] = refused

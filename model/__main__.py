@@ -45,8 +45,14 @@ def _device_dtype(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def _request(args: argparse.Namespace, quality: str) -> GenerationRequest:
     h, w = parse_size(args.size)  # a SizeError is a ValueError: exit status 2 with the reason
+    edit: dict = {}
+    if getattr(args, "image", None):
+        edit = {"image": Path(args.image).read_bytes(), "strength": args.strength,
+                "mask": Path(args.mask).read_bytes() if args.mask else None}
+    elif getattr(args, "mask", None):
+        raise ValueError("--mask needs --image")
     return GenerationRequest(prompt=args.prompt, height=h, width=w, steps=args.steps, guidance=args.guidance,
-                             seed=args.seed, quality=quality)
+                             seed=args.seed, quality=quality, **edit)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -143,13 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     _common(g)
     g.add_argument("--quality", choices=QUALITIES, default="lossless")
     g.add_argument("--out", required=True, help="PNG file to write")
+    g.add_argument("--image", help="edit this image (image-to-image; resized to --size by diffusers)")
+    g.add_argument("--mask", help="inpaint: white where the image is repainted (needs --image)")
+    g.add_argument("--strength", type=float, default=0.6, help="how far an edit may move from --image, (0, 1]")
     v = sub.add_parser("verify", help="reference vs lossless vs high, side by side")
     _common(v)
     v.add_argument("--json", action="store_true", help="print the comparison as JSON")
     args = parser.parse_args(argv)
     try:
         return cmd_generate(args) if args.command == "generate" else cmd_verify(args)
-    except ValueError as exc:  # bad request knobs, unknown preset
+    except (ValueError, OSError) as exc:  # bad request knobs, unknown preset, an unreadable --image / --mask
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:

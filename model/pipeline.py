@@ -88,6 +88,29 @@ def _sync(device: "torch.device") -> None:
         torch.cuda.synchronize(device)
 
 
+def decode_image(data: bytes, what: str = "image") -> Any:
+    """Encoded image bytes -> an RGB PIL image; ValueError naming `what` if they are not an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+            return im.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise ValueError(f"{what} is not a readable image ({exc})") from None
+
+
+def edit_pipeline(pipe: Any, inpaint: bool) -> Any:
+    """diffusers' FluxImg2ImgPipeline / FluxInpaintPipeline sharing `pipe`'s components (built once per pipe)."""
+    from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
+
+    cls = FluxInpaintPipeline if inpaint else FluxImg2ImgPipeline
+    cache = pipe.__dict__.setdefault("_fluxserve_edit_pipelines", {})
+    if cls not in cache:
+        cache[cls] = cls(**pipe.components)
+    return cache[cls]
+
+
 def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bool = False,
                       should_stop: Callable[[], bool] | None = None) -> tuple[list[torch.Tensor], list[bytes]]:
     """Run any diffusers FluxPipeline (ours or the stock reference) on one uniform batch.
@@ -114,8 +137,17 @@ def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bo
         return {}
 
     generators = request_generators(requests)
+    edit: dict[str, Any] = {}
+    if first.image is not None:
+        # diffusers' own image-to-image / inpainting pipeline over the same components (no weight is copied)
+        source = decode_image(first.image, "image")
+        edit = {"image": [source] * len(requests), "strength": float(first.strength)}
+        if first.mask is not None:
+            edit["mask_image"] = [decode_image(first.mask, "mask")] * len(requests)
+        pipe = edit_pipeline(pipe, inpaint=first.mask is not None)
     pipe.set_progress_bar_config(disable=not progress, desc=f"{first.quality} {first.width}x{first.height}")
     images = pipe(
+        **edit,
         prompt=prompts,
         height=first.height,
         width=first.width,

@@ -7,8 +7,9 @@ replica and the TP ranks all speak `GenerationRequest` directly.
 
 from __future__ import annotations
 
+import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -75,10 +76,22 @@ class GenerationRequest:
     quality: Quality = "lossless"
     # LoRA adapters served by the deployment, by name, with their scales ((name, scale), ...); () for none.
     loras: tuple[tuple[str, float], ...] = ()
+    # An edit: the input image (encoded bytes, e.g. PNG) for image-to-image, plus a mask (white = repaint) for
+    # inpainting, and how far from the input the result may go (diffusers' `strength`). None: text-to-image.
+    image: bytes | None = field(default=None, repr=False)
+    mask: bytes | None = field(default=None, repr=False)
+    strength: float = 0.6
+
+    def edit_key(self) -> tuple | None:
+        if self.image is None:
+            return None
+        digest = hashlib.sha256(self.image).hexdigest()
+        mask = None if self.mask is None else hashlib.sha256(self.mask).hexdigest()
+        return (digest, mask, self.strength)
 
     def batch_key(self) -> tuple:
-        """Only requests with equal keys may share one pipeline call (the adapter set included)."""
-        return (self.height, self.width, self.steps, self.guidance, self.quality, self.loras)
+        """Only requests with equal keys may share one pipeline call (the adapter set and the edit included)."""
+        return (self.height, self.width, self.steps, self.guidance, self.quality, self.loras, self.edit_key())
 
 
 def validate_batch(requests: list[GenerationRequest]) -> None:
@@ -104,8 +117,12 @@ def validate_batch(requests: list[GenerationRequest]) -> None:
             raise ValueError(f"loras must be a tuple of (name, scale) pairs, got {r.loras!r}")
         if len({name for name, _ in r.loras}) != len(r.loras):
             raise ValueError(f"an adapter may appear once per request, got {r.loras!r}")
+        if r.mask is not None and r.image is None:
+            raise ValueError("a mask needs an image")
+        if r.image is not None and not (isinstance(r.strength, (int, float)) and 0 < r.strength <= 1):
+            raise ValueError(f"strength must be in (0, 1], got {r.strength!r}")
     first = requests[0].batch_key()
-    names = ("height", "width", "steps", "guidance", "quality", "loras")
+    names = ("height", "width", "steps", "guidance", "quality", "loras", "image / mask / strength")
     for r in requests[1:]:
         for name, a, b in zip(names, first, r.batch_key()):
             if a != b:
