@@ -25,7 +25,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from deployments import auth
 from deployments.config import AppArgs
 from deployments.errors import BadRequest, GenerationFailed, OutOfMemory, PoolUnavailable
-from deployments.schema import ImageRequest, ImageResponse, encode_image, validate
+from deployments.schema import ImageRequest, ImageResponse, Validated, encode_image, validate, validate_edit
 from model.request import QUALITIES
 
 logger = logging.getLogger("ray.serve")
@@ -160,6 +160,41 @@ class Ingress:
         except BadRequest as e:
             self.m_requests.inc(tags={"pool": "none", "status": "400"})
             return _error(400, e.message, "invalid_request_error", e.param)
+        return await self._serve(v, request)
+
+    @api.post(
+        "/v1/images/edits",
+        response_model=ImageResponse,
+        responses={400: {"description": "invalid request (reason in error.message)"},
+                   503: {"description": "pool unavailable or overloaded"}, 504: {"description": "deadline exceeded"}},
+    )
+    async def edits(self, request: Request) -> Any:
+        """OpenAI's multipart edit: `image`, optional `mask` (white = repaint), `prompt` and the generation fields,
+        plus `strength`; image-to-image without a mask, inpainting with one."""
+        fields: dict[str, str] = {}
+        files: dict[str, bytes] = {}
+        try:
+            if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+                raise ValueError(f"got Content-Type {request.headers.get('content-type')!r}")
+            form = await request.form()
+            for key, value in form.multi_items():
+                name = key.removesuffix("[]")  # the openai client may send `image[]`
+                if isinstance(value, str):
+                    fields[name] = value
+                elif name not in files:
+                    files[name] = await value.read()
+        except Exception as e:  # not multipart, a broken part: Starlette's parser raises several types
+            self.m_requests.inc(tags={"pool": "none", "status": "400"})
+            return _error(400, f"the body must be multipart/form-data ({_reason(e)})", "invalid_request_error")
+        try:
+            v = validate_edit(fields, files, self.args, self.model_name)
+        except BadRequest as e:
+            self.m_requests.inc(tags={"pool": "none", "status": "400"})
+            return _error(400, e.message, "invalid_request_error", e.param)
+        return await self._serve(v, request)
+
+    async def _serve(self, v: Validated, request: Request) -> Any:
+        """Route validated jobs to their pool and answer (JSON with b64 images, or one raw image)."""
         pool = v.jobs[0].quality
         media_type = f"image/{v.output_format}"
         wants_raw = media_type in request.headers.get("accept", "")

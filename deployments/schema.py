@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from deployments.config import AppArgs
 from deployments.errors import BadRequest
-from model.request import QUALITIES, SEED_LIMIT, GenerationRequest, format_size
+from model.request import QUALITIES, SEED_LIMIT, GenerationRequest, decode_image, format_size
 
 SEED_MAX = SEED_LIMIT - 1
 
@@ -180,3 +180,70 @@ def _loras(refs: list[LoraRef], args: AppArgs) -> tuple[tuple[str, float], ...]:
         if not math.isfinite(ref.scale) or abs(ref.scale) > lim.max_lora_scale:
             raise BadRequest("lora", f"LoRA scale must be finite and within +-{lim.max_lora_scale}, got {ref.scale}")
     return tuple(sorted((ref.name, float(ref.scale)) for ref in refs))
+
+
+# -- POST /v1/images/edits ---------------------------------------------------------------------------------------
+
+MAX_EDIT_IMAGE_BYTES = 20 * 1024 * 1024
+_FORM_INTS = ("n", "steps", "seed", "output_compression")
+_FORM_FLOATS = ("guidance", "timeout_s")
+
+
+def _form_value(name: str, value: str) -> Any:
+    try:
+        if name in _FORM_INTS:
+            return int(value)
+        if name in _FORM_FLOATS:
+            return float(value)
+    except ValueError:
+        raise BadRequest(name, f"{name} must be a number, got {value!r}") from None
+    return value
+
+
+def validate_edit(fields: dict[str, str], files: dict[str, bytes], args: AppArgs, model_name: str) -> Validated:
+    """An OpenAI-style multipart edit: `image` (+ optional `mask`, white = repaint) and the generation fields as form
+    values (plus `strength`). The size defaults to the image's own, rounded down to a multiple of 16."""
+    from dataclasses import replace
+
+    from pydantic import ValidationError
+
+    fields = dict(fields)
+    strength_text = fields.pop("strength", None)
+    for key in ("lora",):
+        if key in fields:
+            raise BadRequest(key, f"{key} is not accepted by the edits endpoint yet")
+    known = set(ImageRequest.model_fields)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise BadRequest(unknown[0], f"unknown field(s) {unknown}; accepted: {sorted(known | {'image', 'mask', 'strength'})}")
+    image = files.get("image")
+    if image is None:
+        raise BadRequest("image", "an edit needs an image file (multipart field `image`)")
+    for name, data in (("image", image), ("mask", files.get("mask"))):
+        if data is not None and len(data) > MAX_EDIT_IMAGE_BYTES:
+            raise BadRequest(name, f"{name} is too large: {len(data)} bytes, at most {MAX_EDIT_IMAGE_BYTES}")
+    try:
+        source = decode_image(image, "image")
+        mask_image = None if files.get("mask") is None else decode_image(files["mask"], "mask")
+    except ValueError as exc:
+        raise BadRequest("mask" if str(exc).startswith("mask") else "image", str(exc)) from None
+    if mask_image is not None and mask_image.size != source.size:
+        raise BadRequest("mask", f"mask must be the size of the image ({source.size[0]}x{source.size[1]}), got "
+                                 f"{mask_image.size[0]}x{mask_image.size[1]}")
+    if fields.get("size") in (None, "auto"):
+        multiple = args.limits.size_multiple
+        fields["size"] = f"{source.size[0] // multiple * multiple}x{source.size[1] // multiple * multiple}"
+    try:
+        req = ImageRequest(**{k: _form_value(k, v) for k, v in fields.items()})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise BadRequest(str(err["loc"][0]) if err.get("loc") else None, f"{err.get('msg')}") from None
+    try:
+        strength = 0.6 if strength_text is None else float(strength_text)
+    except ValueError:
+        raise BadRequest("strength", f"strength must be a number, got {strength_text!r}") from None
+    if not 0 < strength <= 1:
+        raise BadRequest("strength", f"strength must be in (0, 1], got {strength}")
+    v = validate(req, args, model_name)
+    jobs = [replace(j, image=image, mask=files.get("mask"), strength=strength) for j in v.jobs]
+    return replace(v, jobs=jobs)

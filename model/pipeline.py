@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from model import faults
-from model.request import GenerationRequest, Quality, validate_batch
+from model.request import GenerationRequest, Quality, decode_image, validate_batch
 from model.tiers import TierPlan, applied_tier, plan_tier
 
 if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request types without needing torch
@@ -86,18 +86,6 @@ def _sync(device: "torch.device") -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def decode_image(data: bytes, what: str = "image") -> Any:
-    """Encoded image bytes -> an RGB PIL image; ValueError naming `what` if they are not an image."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-            return im.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise ValueError(f"{what} is not a readable image ({exc})") from None
 
 
 def edit_pipeline(pipe: Any, inpaint: bool) -> Any:

@@ -8,11 +8,13 @@ replica and the TP ranks all speak `GenerationRequest` directly.
 from __future__ import annotations
 
 import hashlib
+import io
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    import PIL.Image
     import torch
 
 Quality = Literal["lossless", "high"]
@@ -127,3 +129,15 @@ def validate_batch(requests: list[GenerationRequest]) -> None:
         for name, a, b in zip(names, first, r.batch_key()):
             if a != b:
                 raise ValueError(f"all requests of a batch must share {name}: {a!r} vs {b!r}")
+
+
+def decode_image(data: bytes, what: str = "image") -> "PIL.Image.Image":
+    """Encoded image bytes -> an RGB PIL image; ValueError naming `what` if they are not an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+            return im.convert("RGB")
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
+        raise ValueError(f"{what} is not a readable image ({exc})") from None

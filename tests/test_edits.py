@@ -1,7 +1,7 @@
 """Image edits through the pipeline: image-to-image and inpainting run diffusers' own FluxImg2ImgPipeline /
 FluxInpaintPipeline over the loaded components (no second copy of any weight). Lossless is byte-identical to those
 stock pipelines with diffusers' transformer; edits never share a batch with other inputs; bad inputs are refused.
-(The HTTP `/v1/images/edits` endpoint is not built yet.)
+(The HTTP endpoint `/v1/images/edits` through the openai client: tests/test_serve.py.)
 """
 
 from __future__ import annotations
