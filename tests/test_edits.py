@@ -6,7 +6,6 @@ stock pipelines with diffusers' transformer; edits never share a batch with othe
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
@@ -16,18 +15,7 @@ from PIL import Image
 from model.loading import diffusers_reference, load_pipeline
 from model.pipeline import GenerationRequest, edit_pipeline, run_flux_pipeline
 from model.request import validate_batch
-
-
-def _png(seed: int, size: int = 64, mask: bool = False) -> bytes:
-    g = torch.Generator().manual_seed(seed)
-    if mask:  # white square in the middle: repaint there
-        arr = torch.zeros(size, size, 3, dtype=torch.uint8)
-        arr[size // 4: 3 * size // 4, size // 4: 3 * size // 4] = 255
-    else:
-        arr = (torch.rand(size, size, 3, generator=g) * 255).to(torch.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr.numpy()).save(buf, format="PNG")
-    return buf.getvalue()
+from tests._inputs import random_png
 
 
 def _req(seed: int = 3, quality: str = "lossless", **edit) -> GenerationRequest:
@@ -43,7 +31,7 @@ def pipes(tiny_path: Path):
 @pytest.mark.parametrize("inpaint", [False, True])
 def test_lossless_edits_are_byte_identical_to_the_stock_edit_pipelines(pipes, inpaint: bool) -> None:
     ours, ref = pipes
-    edit = {"image": _png(1), "strength": 0.7, "mask": _png(2, mask=True) if inpaint else None}
+    edit = {"image": random_png(1), "strength": 0.7, "mask": random_png(2, mask=True) if inpaint else None}
     batch = [_req(3, **edit), _req(4, **edit)]
     got = ours.generate(batch)
     lat, pngs = run_flux_pipeline(ref, batch)  # the reference's own Img2Img / Inpaint pipeline
@@ -59,27 +47,27 @@ def test_lossless_edits_are_byte_identical_to_the_stock_edit_pipelines(pipes, in
 
 def test_strength_moves_the_result_and_high_edits_run(pipes) -> None:
     ours, _ = pipes
-    weak = ours.generate([_req(image=_png(1), strength=0.3)])[0]
-    strong = ours.generate([_req(image=_png(1), strength=0.9)])[0]
+    weak = ours.generate([_req(image=random_png(1), strength=0.3)])[0]
+    strong = ours.generate([_req(image=random_png(1), strength=0.9)])[0]
     assert not torch.equal(weak.latents, strong.latents)
-    high = ours.generate([_req(image=_png(1), strength=0.6, quality="high")])[0]
+    high = ours.generate([_req(image=random_png(1), strength=0.6, quality="high")])[0]
     assert torch.isfinite(high.latents).all() and high.png
 
 
 def test_edits_never_share_a_batch_with_other_inputs() -> None:
-    a, b = _req(image=_png(1)), _req(image=_png(5))
+    a, b = _req(image=random_png(1)), _req(image=random_png(5))
     assert a.batch_key() != b.batch_key() != _req().batch_key()
-    assert _req(image=_png(1)).batch_key() == a.batch_key()  # same bytes: same key
+    assert _req(image=random_png(1)).batch_key() == a.batch_key()  # same bytes: same key
     with pytest.raises(ValueError, match="image / mask / strength"):
         validate_batch([a, b])
 
 
 @pytest.mark.parametrize("edit, message", [
     ({"image": b"not an image"}, "image is not a readable image"),
-    ({"image": _png(1), "mask": b"\x89PNG broken"}, "mask is not a readable image"),
-    ({"mask": _png(2, mask=True)}, "a mask needs an image"),
-    ({"image": _png(1), "strength": 0.0}, r"strength must be in \(0, 1\]"),
-    ({"image": _png(1), "strength": 1.5}, r"strength must be in \(0, 1\]"),
+    ({"image": random_png(1), "mask": b"\x89PNG broken"}, "mask is not a readable image"),
+    ({"mask": random_png(2, mask=True)}, "a mask needs an image"),
+    ({"image": random_png(1), "strength": 0.0}, r"strength must be in \(0, 1\]"),
+    ({"image": random_png(1), "strength": 1.5}, r"strength must be in \(0, 1\]"),
 ])
 def test_bad_edit_inputs_are_refused_with_reasons(pipes, edit: dict, message: str) -> None:
     ours, _ = pipes
@@ -91,8 +79,8 @@ def test_cli_edits_an_image(tiny_path: Path, tmp_path: Path, capsys) -> None:
     from model.__main__ import main
 
     src, mask = tmp_path / "in.png", tmp_path / "mask.png"
-    src.write_bytes(_png(1))
-    mask.write_bytes(_png(2, mask=True))
+    src.write_bytes(random_png(1))
+    mask.write_bytes(random_png(2, mask=True))
     out = tmp_path / "out.png"
     rc = main(["generate", "--model", str(tiny_path), "--size", "64x64", "--steps", "2", "--image", str(src),
                "--mask", str(mask), "--strength", "0.8", "--out", str(out), "--no-progress"])

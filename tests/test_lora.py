@@ -23,30 +23,14 @@ from deployments.errors import BadRequest  # noqa: E402
 from model.loading import diffusers_reference, load_pipeline  # noqa: E402
 from model.pipeline import GenerationRequest, run_flux_pipeline  # noqa: E402
 from model.request import validate_batch  # noqa: E402
-
-TARGETS = ("attn.to_q", "attn.to_v", "attn.to_out.0", "ff.net.2", "proj_out", "proj_mlp")
-
-
-def _write_lora(transformer: torch.nn.Module, path: Path, seed: int, rank: int = 4) -> Path:
-    """A random adapter in diffusers/PEFT key format on every block's targets."""
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name, mod in transformer.named_modules():
-        if "blocks." in name and name.endswith(TARGETS) and isinstance(mod, torch.nn.Linear):
-            sd[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, mod.in_features, generator=g) * 0.2
-            sd[f"transformer.{name}.lora_B.weight"] = torch.randn(mod.out_features, rank, generator=g) * 0.2
-    save_file(sd, str(path))
-    return path
-
+from tests._inputs import write_random_lora  # noqa: E402
 
 @pytest.fixture(scope="module")
 def lora_files(tiny_path: Path, tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("loras")
     pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
-    return {"ink": str(_write_lora(pipe.transformer, d / "ink.safetensors", 1)),
-            "sun": str(_write_lora(pipe.transformer, d / "sun.safetensors", 2))}
+    return {"ink": str(write_random_lora(pipe.transformer, d / "ink.safetensors", 1)),
+            "sun": str(write_random_lora(pipe.transformer, d / "sun.safetensors", 2))}
 
 
 def _req(loras: tuple = (), quality: str = "lossless", seed: int = 5) -> GenerationRequest:

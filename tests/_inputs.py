@@ -1,0 +1,40 @@
+"""Inputs several test files build: random PNGs and masks for edits, random LoRA adapter files."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+
+LORA_TARGETS = ("attn.to_q", "attn.to_v", "attn.to_out.0", "ff.net.2", "proj_out", "proj_mlp")
+
+
+def random_png(seed: int, size: tuple[int, int] = (64, 64), mask: bool = False) -> bytes:
+    """Random RGB noise as PNG bytes; mask=True: black with a white (repaint) square in the middle."""
+    from PIL import Image
+
+    w, h = size
+    if mask:
+        arr = torch.zeros(h, w, 3, dtype=torch.uint8)
+        arr[h // 4: 3 * h // 4, w // 4: 3 * w // 4] = 255
+    else:
+        arr = (torch.rand(h, w, 3, generator=torch.Generator().manual_seed(seed)) * 255).to(torch.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr.numpy()).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_random_lora(transformer: torch.nn.Module, path: Path, seed: int, rank: int = 4,
+                      targets: tuple[str, ...] = LORA_TARGETS) -> Path:
+    """A random adapter in diffusers/PEFT key format on every block linear whose name ends with one of `targets`."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, mod in transformer.named_modules():
+        if "blocks." in name and name.endswith(targets) and isinstance(mod, torch.nn.Linear):
+            sd[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, mod.in_features, generator=g) * 0.2
+            sd[f"transformer.{name}.lora_B.weight"] = torch.randn(mod.out_features, rank, generator=g) * 0.2
+    save_file(sd, str(path))
+    return path
