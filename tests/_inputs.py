@@ -38,3 +38,21 @@ def write_random_lora(transformer: torch.nn.Module, path: Path, seed: int, rank:
             sd[f"transformer.{name}.lora_B.weight"] = torch.randn(mod.out_features, rank, generator=g) * 0.2
     save_file(sd, str(path))
     return path
+
+
+def write_random_kohya_lora(path: Path, seed: int, inner: int, num_double: int, rank: int = 4) -> Path:
+    """A random adapter in kohya (sd-scripts) keys on the double blocks' fused qkv, proj and MLP-down layers (the
+    single blocks' fused linear1 is split by diffusers at FLUX.1's width only, so toy models leave it out)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for i in range(num_double):
+        for name, (n_in, n_out) in {"img_attn_qkv": (inner, 3 * inner), "txt_attn_qkv": (inner, 3 * inner),
+                                    "img_attn_proj": (inner, inner), "img_mlp_2": (4 * inner, inner)}.items():
+            key = f"lora_unet_double_blocks_{i}_{name}"
+            sd[f"{key}.lora_down.weight"] = torch.randn(rank, n_in, generator=g) * 0.2
+            sd[f"{key}.lora_up.weight"] = torch.randn(n_out, rank, generator=g) * 0.2
+            sd[f"{key}.alpha"] = torch.tensor(float(rank) / 2)
+    save_file(sd, str(path))
+    return path

@@ -23,7 +23,7 @@ from deployments.errors import BadRequest  # noqa: E402
 from model.loading import diffusers_reference, load_pipeline  # noqa: E402
 from model.pipeline import GenerationRequest, run_flux_pipeline  # noqa: E402
 from model.request import validate_batch  # noqa: E402
-from tests._inputs import write_random_lora  # noqa: E402
+from tests._inputs import write_random_kohya_lora, write_random_lora  # noqa: E402
 
 @pytest.fixture(scope="module")
 def lora_files(tiny_path: Path, tmp_path_factory) -> dict[str, str]:
@@ -65,6 +65,22 @@ def test_lossless_with_adapters_is_byte_identical_to_stock_diffusers_and_switche
     assert not torch.equal(seen[(("ink", 0.8),)], seen[(("ink", 0.5),)])  # and its scale does
     with pytest.raises(ValueError, match="unknown LoRA adapter"):
         ours.generate([_req((("nope", 1.0),))])
+
+
+def test_a_kohya_format_adapter_is_byte_identical_to_stock_diffusers(tiny_path: Path, tmp_path: Path) -> None:
+    """sd-scripts keys (fused qkv split by diffusers' converter, alpha scaling) through the same loader."""
+    ours = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    ref = diffusers_reference(ours)
+    cfg = ours.transformer.config
+    path = str(write_random_kohya_lora(tmp_path / "kohya.safetensors", 3, cfg.num_attention_heads *
+                                       cfg.attention_head_dim, cfg.num_layers))
+    ours.load_loras({"k": path})
+    ref.load_lora_weights(path, adapter_name="k")
+    ref.set_adapters(["k"], [0.9])
+    got = ours.generate([_req((("k", 0.9),))])[0]
+    lat, png = run_flux_pipeline(ref, [_req((("k", 0.9),))])
+    assert torch.equal(got.latents, lat[0]) and got.png == png[0]
+    assert not torch.equal(got.latents, ours.generate([_req()])[0].latents)
 
 
 def test_high_with_an_adapter_runs_unfused_and_stays_close(tiny_path: Path, lora_files: dict[str, str]) -> None:
