@@ -209,9 +209,8 @@ def validate_edit(fields: dict[str, str], files: dict[str, bytes], args: AppArgs
 
     fields = dict(fields)
     strength_text = fields.pop("strength", None)
-    for key in ("lora",):
-        if key in fields:
-            raise BadRequest(key, f"{key} is not accepted by the edits endpoint yet")
+    if "lora" in fields:
+        raise BadRequest("lora", "lora is not accepted by the edits endpoint yet")
     known = set(ImageRequest.model_fields)
     unknown = sorted(set(fields) - known)
     if unknown:
@@ -238,12 +237,14 @@ def validate_edit(fields: dict[str, str], files: dict[str, bytes], args: AppArgs
     except ValidationError as exc:
         err = exc.errors()[0]
         raise BadRequest(str(err["loc"][0]) if err.get("loc") else None, f"{err.get('msg')}") from None
-    try:
-        strength = 0.6 if strength_text is None else float(strength_text)
-    except ValueError:
-        raise BadRequest("strength", f"strength must be a number, got {strength_text!r}") from None
-    if not 0 < strength <= 1:
-        raise BadRequest("strength", f"strength must be in (0, 1], got {strength}")
+    edit: dict[str, Any] = {"image": image, "mask": files.get("mask")}
+    if strength_text is not None:  # else GenerationRequest's default
+        try:
+            edit["strength"] = float(strength_text)
+        except ValueError:
+            raise BadRequest("strength", f"strength must be a number, got {strength_text!r}") from None
+        if not 0 < edit["strength"] <= 1:
+            raise BadRequest("strength", f"strength must be in (0, 1], got {edit['strength']}")
     v = validate(req, args, model_name)
-    jobs = [replace(j, image=image, mask=files.get("mask"), strength=strength) for j in v.jobs]
+    jobs = [replace(j, **edit) for j in v.jobs]
     return replace(v, jobs=jobs)

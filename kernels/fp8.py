@@ -59,15 +59,10 @@ def shape_refusal(in_features: int, out_features: int) -> str | None:
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (fp8 [N, K], fp32 scale [1, N]): one scale per output channel, amax mapped to FP8_MAX."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=MIN_AMAX) / FP8_MAX
-    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale[None, :].contiguous()
-
-
-def _gelu_tanh_fp32(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x.float(), approximate="tanh")
+    """[N, K] -> (fp8 [N, K], fp32 scale [1, N]): one scale per output channel (a weight row), amax mapped to
+    FP8_MAX, exactly as activation rows are quantized."""
+    q, scale = quantize_rows_eager(weight.detach())
+    return q, scale.t().contiguous()
 
 
 def quantize_rows_eager(a: torch.Tensor, b: torch.Tensor | None = None,
@@ -75,7 +70,7 @@ def quantize_rows_eager(a: torch.Tensor, b: torch.Tensor | None = None,
     """`quantize_rows`'s twin: rows of `cat([a, gelu(b) if gelu_b else b], -1)` in fp32 -> fp8, scale [M, 1]."""
     parts = [a.float()]
     if b is not None:
-        parts.append(_gelu_tanh_fp32(b) if gelu_b else b.float())
+        parts.append(F.gelu(b.float(), approximate="tanh") if gelu_b else b.float())
     x = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
     scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale

@@ -121,8 +121,10 @@ class FluxFeedForward(nn.Module):
             [FluxFusedGELUProj(dim, inner_dim), nn.Dropout(dropout), nn.Linear(inner_dim, dim_out or dim)]
         )
 
-        # High tier, fp8: the GELU runs inside the down-projection's input quantization (no bf16 activation).
-        self.gelu_in_down_proj = False
+    @property
+    def gelu_in_down_proj(self) -> bool:
+        """High tier, fp8: the GELU runs inside the down-projection's input quantization (no bf16 activation)."""
+        return isinstance(self.net[0].proj, Fp8Linear) and isinstance(self.net[2], Fp8Linear)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.gelu_in_down_proj:  # (Dropout: p=0 at inference)
@@ -361,10 +363,14 @@ class FluxSingleTransformerBlock(nn.Module):
             query_dim=dim, heads=num_attention_heads, dim_head=attention_head_dim, eps=1e-6, pre_only=True
         )
         mark_fused_gelu_site(self, "proj_mlp")
-        # High tier: q/k/v and the MLP up-projection as one GEMM (`fuse_projections`), and the MLP's GELU applied
-        # inside proj_out's input pass (`linear_cat_gelu`; with fp8, no bf16 activation at all).
+        # High tier: q/k/v and the MLP up-projection as one GEMM, set by `fuse_projections`.
         self.to_qkv_mlp: nn.Module | None = None
-        self.mlp_gelu_in_proj_out = False
+
+    @property
+    def mlp_gelu_in_proj_out(self) -> bool:
+        """High tier (fused projections or fp8 proj_out): the MLP's GELU is applied inside proj_out's input pass
+        (`linear_cat_gelu`; with fp8, no bf16 activation at all)."""
+        return self.to_qkv_mlp is not None or isinstance(self.proj_out, Fp8Linear)
 
     def fuse_projections(self) -> None:
         """attn q/k/v and proj_mlp as one stacked linear; the separate layers are dropped (high tier only)."""
@@ -373,7 +379,6 @@ class FluxSingleTransformerBlock(nn.Module):
             self.to_qkv_mlp = _stack_linears([attn.to_q, attn.to_k, attn.to_v, self.proj_mlp])
             del attn.to_q, attn.to_k, attn.to_v, self.proj_mlp
             unmark_fused_gelu_site(self, "proj_mlp")
-            self.mlp_gelu_in_proj_out = True
 
     def forward_joint(
         self,
@@ -486,7 +491,14 @@ class FirstBlockCache:
         change = (first_residual - prev).abs().mean() / prev.abs().mean().clamp_min(1e-12)
         return bool(change < self.threshold)
 
+    def skip(self, after_first: torch.Tensor) -> torch.Tensor:
+        """A skipped step's image hidden states: the first block's output plus the cached rest residual."""
+        self.skipped += 1
+        return after_first + self._rest_residual
+
     def store(self, first_residual: torch.Tensor, rest_residual: torch.Tensor) -> None:
+        """A computed step: its first-block residual and the residual of every block after it."""
+        self.computed += 1
         self._first_residual, self._rest_residual = first_residual, rest_residual
 
 
@@ -591,25 +603,16 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         if reason is not None:
             raise ValueError(reason)
         kept: dict[str, str] = {}
-        for block_name, blocks in (("transformer_blocks", self.transformer_blocks),
-                                   ("single_transformer_blocks", self.single_transformer_blocks)):
-            for i, block in enumerate(blocks):
-                for name, parent in list(block.named_modules()):
-                    for child_name, child in list(parent.named_children()):
-                        if not isinstance(child, nn.Linear) or (child_name == "linear" and name.startswith("norm")):
-                            continue
-                        qualified = f"{block_name}.{i}.{name + '.' if name else ''}{child_name}"
-                        why = convertible(child)
-                        if why is not None:
-                            kept[qualified] = why
-                            continue
-                        setattr(parent, child_name, Fp8Linear.from_linears([child]))
-        for module in self.modules():
-            if isinstance(module, FluxFeedForward):
-                module.gelu_in_down_proj = (isinstance(module.net[0].proj, Fp8Linear)
-                                            and isinstance(module.net[2], Fp8Linear))
-            elif isinstance(module, FluxSingleTransformerBlock) and isinstance(module.proj_out, Fp8Linear):
-                module.mlp_gelu_in_proj_out = True
+        for name, layer in list(self.named_modules()):
+            parent_name, _, attr = name.rpartition(".")
+            adaln = parent_name.rpartition(".")[2] in ("norm", "norm1", "norm1_context")
+            if "_blocks." not in name or not isinstance(layer, nn.Linear) or adaln:
+                continue
+            why = convertible(layer)
+            if why is not None:
+                kept[name] = why
+            else:
+                setattr(self.get_submodule(parent_name), attr, Fp8Linear.from_linears([layer]))
         return kept
 
     @apply_lora_scale("joint_attention_kwargs")
@@ -698,8 +701,7 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
             if cache is not None and index_block == 0:
                 first_residual = hidden_states - args[0]
                 if cache.can_skip(first_residual):
-                    cache.skipped += 1
-                    return self._output(hidden_states + cache._rest_residual, temb, return_dict)
+                    return self._output(cache.skip(hidden_states), temb, return_dict)
                 after_first = hidden_states
             if controlnet_block_samples is not None:
                 interval = int(np.ceil(len(self.transformer_blocks) / len(controlnet_block_samples)))
@@ -728,7 +730,6 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         if joint is not None:
             hidden_states = joint[:, text_len:]
         if after_first is not None:
-            cache.computed += 1
             cache.store(first_residual, hidden_states - after_first)
         return self._output(hidden_states, temb, return_dict)
 

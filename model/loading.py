@@ -82,17 +82,25 @@ def single_file_transformer(sub: str | os.PathLike[str]) -> Path | None:
     return files[0] if {_ORIGINAL_KEY, _ORIGINAL_PREFIX + _ORIGINAL_KEY} & keys else None
 
 
-def _original_config(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """FluxTransformer config of an original-layout state dict (after the prefix is stripped), from its shapes.
-    The RoPE axes are not in a checkpoint: FLUX.1's (16, 56, 56) unless transformer/config.json says otherwise."""
-    head_dim = sd["double_blocks.0.img_attn.norm.query_norm.scale"].shape[0]
-    inner = sd["img_in.weight"].shape[0]
+def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a safetensors file, prefix stripped, from its header only (no tensor is read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {k.removeprefix(_ORIGINAL_PREFIX): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def _original_config(sd: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """FluxTransformer config of an original-layout checkpoint (key -> shape, prefix stripped). The RoPE axes are
+    not in a checkpoint: FLUX.1's (16, 56, 56) unless transformer/config.json says otherwise."""
+    head_dim = sd["double_blocks.0.img_attn.norm.query_norm.scale"][0]
+    inner = sd["img_in.weight"][0]
     return dict(
-        patch_size=1, in_channels=sd["img_in.weight"].shape[1], out_channels=sd["final_layer.linear.weight"].shape[0],
+        patch_size=1, in_channels=sd["img_in.weight"][1], out_channels=sd["final_layer.linear.weight"][0],
         num_layers=len({k.split(".")[1] for k in sd if k.startswith("double_blocks.")}),
         num_single_layers=len({k.split(".")[1] for k in sd if k.startswith("single_blocks.")}),
         attention_head_dim=head_dim, num_attention_heads=inner // head_dim,
-        joint_attention_dim=sd["txt_in.weight"].shape[1], pooled_projection_dim=sd["vector_in.in_layer.weight"].shape[1],
+        joint_attention_dim=sd["txt_in.weight"][1], pooled_projection_dim=sd["vector_in.in_layer.weight"][1],
         guidance_embeds="guidance_in.in_layer.weight" in sd, axes_dims_rope=(16, 56, 56),
     )
 
@@ -113,7 +121,7 @@ def load_single_file_transformer(path: str | os.PathLike[str], dtype: torch.dtyp
         raise ModelLoadError(path, "transformer", f"unreadable single file ({type(exc).__name__}: {exc})") from exc
     sd = {k.removeprefix(_ORIGINAL_PREFIX): v for k, v in sd.items()}
     try:
-        cfg = {**_original_config(sd), **(config or {})}
+        cfg = {**_original_config({k: tuple(v.shape) for k, v in sd.items()}), **(config or {})}
     except KeyError as exc:
         raise ModelLoadError(path, "transformer", f"not a FLUX.1 checkpoint (missing {exc})") from None
     if cfg["num_attention_heads"] * cfg["attention_head_dim"] != 3072:
@@ -203,10 +211,7 @@ def _load_single(root: Path, single: Path, dtype: torch.dtype, cls: type) -> tor
         return load_single_file_transformer(single, dtype, config)
     import tempfile
 
-    from safetensors.torch import load_file
-
-    cfg = {**_original_config({k.removeprefix(_ORIGINAL_PREFIX): v for k, v in load_file(str(single)).items()}),
-           **(config or {})}
+    cfg = {**_original_config(_file_shapes(single)), **(config or {})}
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps({"_class_name": cls.__name__, **cfg}))
         return cls.from_single_file(str(single), config=tmp, local_files_only=True, **_dtype_kwarg(dtype)).eval()

@@ -309,8 +309,6 @@ class FluxServePipeline:
         fp8 where it cannot run (no CUDA, pre-Ada GPU, fp16/fp32 model) raises ValueError with the reason, before
         anything is changed. Returns what was done: {"fp8": bool, "fused_projections": bool, "kept_bf16": {...}}.
         """
-        import torch
-
         if fp8:
             reason = self.fp8_refusal()
             if reason is not None:
@@ -327,11 +325,7 @@ class FluxServePipeline:
                 self.fp8 = True
             if self._step_graphs is not None:
                 self._step_graphs.reset()  # captured with the old layers
-        import gc
-
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.release_memory()  # the replaced bf16 weights
         return {"fp8": self.fp8, "fused_projections": self.fused_projections, "kept_bf16": kept}
 
     def plan(self, quality: Quality, compiled: bool | None = None, cuda_graphs: bool | None = None) -> TierPlan:
@@ -385,7 +379,7 @@ class FluxServePipeline:
                 for r, lat, png in zip(requests, latents, pngs)]
 
     def release_memory(self) -> None:
-        """After a failed (e.g. out-of-memory) batch: drop what it held and hand cached device blocks back."""
+        """Hand freed device memory back (after a failed, e.g. out-of-memory, batch, or after a conversion)."""
         import gc
 
         import torch
