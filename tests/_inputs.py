@@ -1,4 +1,4 @@
-"""Inputs several test files build: random PNGs and masks for edits, random LoRA adapter files."""
+"""Inputs several test files build: random FLUX transformers, random PNGs and masks for edits, random LoRA files."""
 
 from __future__ import annotations
 
@@ -6,6 +6,21 @@ import io
 from pathlib import Path
 
 import torch
+
+def random_flux(cls: type | None = None, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, std: float = 0.02,
+                seed: int = 0, **config) -> torch.nn.Module:
+    """A FLUX transformer (ours unless `cls`, e.g. diffusers' FluxTransformer2DModel) in eval mode with seeded
+    N(0, std) weights: std 0.02 keeps the residual stream's variance near a trained model's."""
+    if cls is None:
+        from model.flux import FluxTransformer as cls  # noqa: N813
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = cls(**config).to(dtype).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p) * std)
+    return model
+
 
 LORA_TARGETS = ("attn.to_q", "attn.to_v", "attn.to_out.0", "ff.net.2", "proj_out", "proj_mlp")
 

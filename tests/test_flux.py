@@ -20,6 +20,7 @@ import kernels
 import kernels.gelu
 import model.flux as flux
 from model.flux import FluxAttention, FluxFusedGELUProj, FluxGELU, FluxTransformer
+from tests._inputs import random_flux
 
 SMALL = dict(
     patch_size=1,
@@ -327,12 +328,8 @@ def test_gpu_flux_dev_width_equal_to_diffusers() -> None:
     from kernels import rope as krope
 
     cfg = dict(num_layers=2, num_single_layers=2, guidance_embeds=True)
-    torch.manual_seed(0)
+    ref = random_flux(FluxTransformer2DModel, "cuda", **cfg)
     with torch.device("cuda"):
-        ref = FluxTransformer2DModel(**cfg).to(torch.bfloat16).eval()
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.copy_(torch.randn_like(p) * 0.02)
         ours = FluxTransformer(**cfg).to(torch.bfloat16).eval()
     ours.load_state_dict(ref.state_dict(), strict=True)
     dev, bf = "cuda", torch.bfloat16

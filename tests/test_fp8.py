@@ -27,6 +27,7 @@ from deployments.config import AppArgs
 from model.flux import FluxTransformer
 from model.loading import load_pipeline
 from model.pipeline import GenerationRequest
+from tests._inputs import random_flux
 from tests._interpret import run_in_interpreter
 
 SMALL = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32,
@@ -367,12 +368,7 @@ def test_gpu_fp8_linear_against_its_dequantized_reference_and_bf16() -> None:
 @pytest.mark.gpu
 @_needs_fp8
 def test_gpu_flux_dev_width_blocks_in_fp8_stay_close_to_bf16() -> None:
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        m = FluxTransformer(num_layers=2, num_single_layers=2, guidance_embeds=True).to(torch.bfloat16).eval()
-        with torch.no_grad():
-            for p in m.parameters():
-                p.copy_(torch.randn_like(p) * 0.02)
+    m = random_flux(device="cuda", num_layers=2, num_single_layers=2, guidance_embeds=True)
     inputs = _inputs(1, torch.bfloat16, "cuda", txt=512, img=4096, width=64, joint=4096, pooled=768)
     ys, xs = torch.meshgrid(torch.arange(64), torch.arange(64), indexing="ij")
     inputs["img_ids"] = torch.stack([torch.zeros_like(ys), ys, xs], -1).reshape(-1, 3).float().cuda()

@@ -27,6 +27,7 @@ from model.flux import FluxTransformer, execution_of, run_double_block, run_sing
 from model.graphs import StepGraphs
 from model.loading import load_pipeline
 from model.pipeline import GenerationRequest
+from tests._inputs import random_flux
 
 SMALL = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32,
              num_attention_heads=4, joint_attention_dim=48, pooled_projection_dim=24, guidance_embeds=True,
@@ -485,12 +486,7 @@ def test_gpu_lru_eviction_frees_and_recaptures(gpu_model: FluxTransformer) -> No
 def test_gpu_flux_dev_width_replay_equals_eager() -> None:
     """FLUX.1-dev width (3072, 24 x 128 heads, the production SDPA backend and kernel shapes) at 1 + 1 blocks,
     1024^2 (4096 image + 512 text tokens), bf16."""
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        m = FluxTransformer(num_layers=1, num_single_layers=1, guidance_embeds=True).to(torch.bfloat16).eval()
-        with torch.no_grad():
-            for p in m.parameters():
-                p.copy_(torch.randn_like(p) * 0.02)
+    m = random_flux(device="cuda", num_layers=1, num_single_layers=1, guidance_embeds=True)
     ys, xs = torch.meshgrid(torch.arange(64), torch.arange(64), indexing="ij")
     g = torch.Generator(device="cuda").manual_seed(1)
     inputs = dict(

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from model.flux import FluxTransformer
 from model.loading import ModelLoadError, load_pipeline, load_single_file_transformer, load_transformer
+from tests._inputs import random_flux
 
 CONFIG = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=128,
               num_attention_heads=24, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
@@ -75,12 +76,7 @@ def _original_layout(sd: dict[str, torch.Tensor], num_layers: int, num_single: i
 
 @pytest.fixture(scope="module")
 def original(tmp_path_factory) -> tuple[Path, FluxTransformer]:
-    torch.manual_seed(0)
-    with torch.device("cpu"):
-        model = FluxTransformer(**CONFIG).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.02)
+    model = random_flux(**CONFIG)
     path = tmp_path_factory.mktemp("single") / "flux1-test.safetensors"
     save_file(_original_layout(model.state_dict(), 1, 1), str(path))
     return path, model
