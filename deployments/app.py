@@ -12,9 +12,11 @@ from typing import Any
 from ray.serve import Application
 
 from deployments.config import AppArgs, PoolArgs
+from deployments.files import ImageFiles
 from deployments.ingress import Ingress
 from deployments.replica import FluxReplica
 from model.request import QUALITIES
+from tp.dist import resolve_backend
 
 
 def model_name(args: AppArgs) -> str:
@@ -32,6 +34,7 @@ def pool_options(pool: str, p: PoolArgs, args: AppArgs) -> dict[str, Any]:
         "max_queued_requests": args.max_queued_requests,
     }
     if p.tp > 1:
+        resolve_backend(p.backend, args.device, p.ranks_share_gpu)  # a backend that cannot run fails the build
         # One bundle per rank; the coordinator actor sits in bundle 0 and takes no CPU of its own.
         opts["placement_group_bundles"] = [dict(p.rank_resources) for _ in range(p.tp)]
         opts["placement_group_strategy"] = "STRICT_PACK"
@@ -56,13 +59,14 @@ def build_app_with_options(
     args.load_api_keys()  # a named keys file that cannot be read fails the deploy here, not in the ingress
     plain = args.to_dict()
     extra = deployment_options or {}
-    unknown = set(extra) - {"Ingress", *QUALITIES}
+    unknown = set(extra) - {"Ingress", "ImageFiles", *QUALITIES}
     if unknown:
         raise ValueError(f"deployment_options: unknown deployment(s) {sorted(unknown)}")
     pools = {
         q: FluxReplica.options(**{**pool_options(q, args.pools[q], args), **extra.get(q, {})}).bind(q, plain)
         for q in QUALITIES
     }
+    files = ImageFiles.options(**extra.get("ImageFiles", {})).bind(args.image_url_ttl_s, args.image_url_max_bytes)
     return Ingress.options(**extra.get("Ingress", {})).bind(
-        pools["lossless"], pools["high"], plain, model_name(args)
+        pools["lossless"], pools["high"], files, plain, model_name(args)
     )

@@ -57,7 +57,9 @@ class PoolArgs:
     rank_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1})
     # torch intra-op threads inside the replica / rank (Ray forces OMP_NUM_THREADS=1 in actors).
     cpu_threads: int | None = None
-    # Process-group backend for tp > 1; None: tp.dist.default_backend (NCCL on CUDA, gloo on CPU).
+    # Process-group backend for tp > 1 (tp.dist.resolve_backend): None is NCCL on CUDA, gloo on the CPU. Ranks
+    # that share a GPU (rank_resources GPU < 1) need gloo, which carries CUDA tensors through host memory: for
+    # testing the sharded GPU path on one GPU, not for speed.
     backend: str | None = None
     # True: compatible requests are still collected per @serve.batch call, but each runs as its own
     # pipeline call, so an image never depends on what else was in flight: GEMM rounding depends on the batch
@@ -95,6 +97,11 @@ class PoolArgs:
     # default: its quality can only be judged on trained weights. Not with cuda_graphs.
     step_cache_threshold: float | None = None
 
+    @property
+    def ranks_share_gpu(self) -> bool:
+        """tp > 1 ranks that each take a fraction of a GPU (several ranks on one device)."""
+        return self.tp > 1 and 0 < float(self.rank_resources.get("GPU", 0)) < 1
+
 
 @dataclass(frozen=True)
 class AppArgs:
@@ -117,6 +124,10 @@ class AppArgs:
     # `Authorization: Bearer <key>`. Keys stay out of the config (Serve shows deployment args): the config names a
     # file, or the environment does (FLUXSERVE_API_KEYS_FILE, used when this is unset).
     api_keys_file: str | None = None
+    # response_format "url": images are kept this long (seconds) and served at /v1/images/files/<id>; at most
+    # image_url_max_bytes are kept (the oldest go first). 0: no image is kept and "url" is a 400.
+    image_url_ttl_s: float = 3600.0
+    image_url_max_bytes: int = 256 * 1024 * 1024
     # LoRA adapters every replica loads once at start: name -> local .safetensors file (a format diffusers' FLUX
     # LoRA loader reads). A request picks some by name with scales (`"lora": [{"name": ..., "scale": ...}]`).
     # Not with tp > 1 or compile yet; the high pool then keeps its linears unconverted (no fp8 / fused projections).
@@ -180,6 +191,8 @@ class AppArgs:
             raise ValueError(f"args.max_queued_requests must be >= 1 or -1, got {args.max_queued_requests}")
         if args.max_batch_size < 1:
             raise ValueError("args.max_batch_size must be >= 1")
+        if args.image_url_ttl_s < 0 or args.image_url_max_bytes < 1:
+            raise ValueError("args.image_url_ttl_s must be >= 0 and args.image_url_max_bytes >= 1")
         if args.request_timeout_s <= 0:
             raise ValueError("args.request_timeout_s must be > 0")
         # default_size is what a request without `size` gets: check it against the same limits a request's size

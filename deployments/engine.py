@@ -24,8 +24,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.config import COMPILE_WARMUP_STEPS, AppArgs, PoolArgs, compile_warmup_plan
 from deployments.errors import PoolUnavailable
 from model.pipeline import GenerationCancelled, GenerationResult
+from model.preview import PreviewSink
 from model.request import GenerationRequest, torch_dtype
-from tp.dist import default_backend, find_free_port
+from tp.dist import find_free_port, resolve_backend
 
 logger = logging.getLogger("ray.serve")
 
@@ -34,8 +35,8 @@ CANCEL_POLL_S = 0.05
 
 
 class Engine(Protocol):
-    async def generate(self, requests: list[GenerationRequest],
-                       should_stop: Callable[[], bool]) -> list[GenerationResult]: ...
+    async def generate(self, requests: list[GenerationRequest], should_stop: Callable[[], bool],
+                       previews: PreviewSink | None = None) -> list[GenerationResult]: ...
 
     async def check_health(self) -> None: ...
 
@@ -115,9 +116,9 @@ class LocalEngine:
         logger.info("pool=%s: compiled for sizes %s, batch sizes %s in %.1f s", self.pool, sizes, batch_sizes,
                     seconds)
 
-    async def generate(self, requests: list[GenerationRequest],
-                       should_stop: Callable[[], bool]) -> list[GenerationResult]:
-        return await asyncio.to_thread(self.pipe.generate, requests, should_stop=should_stop)
+    async def generate(self, requests: list[GenerationRequest], should_stop: Callable[[], bool],
+                       previews: PreviewSink | None = None) -> list[GenerationResult]:
+        return await asyncio.to_thread(self.pipe.generate, requests, should_stop=should_stop, previews=previews)
 
     async def check_health(self) -> None:
         return None  # a live process is a live engine: the batch runs in this actor
@@ -150,6 +151,10 @@ def _rank_actor_class() -> Any:
         def cancel(self) -> None:
             super().cancel()
 
+        @ray.method(concurrency_group="control")
+        def take_previews(self) -> list:
+            return super().take_previews()
+
     return ray.remote(concurrency_groups={"health": 1, "control": 1})(FluxTPRank)
 
 
@@ -176,7 +181,7 @@ class TPEngine:
         # All bundles are on this node (STRICT_PACK), so rank 0's rendezvous can be a port picked here.
         master_addr = ray.util.get_node_ip_address()
         port = find_free_port(master_addr)
-        backend = self.pool.backend or default_backend(self.args.device)
+        backend = resolve_backend(self.pool.backend, self.args.device, self.pool.ranks_share_gpu)
         cls = _rank_actor_class()
         threads = int(self.pool.cpu_threads or self.pool.rank_resources.get("CPU", 1) or 1)
         for rank, bundle in enumerate(pg.bundle_specs):
@@ -211,26 +216,36 @@ class TPEngine:
     def actor_names(self) -> list[str]:
         return list(self._names)
 
-    async def generate(self, requests: list[GenerationRequest],
-                       should_stop: Callable[[], bool]) -> list[GenerationResult]:
+    async def generate(self, requests: list[GenerationRequest], should_stop: Callable[[], bool],
+                       previews: PreviewSink | None = None) -> list[GenerationResult]:
         """One batch on all ranks; rank 0's results. `should_stop()` true -> every rank is asked to cancel
-        (the ranks agree on the step to stop at among themselves)."""
+        (the ranks agree on the step to stop at among themselves). Previews are made on rank 0 and collected
+        from it while the batch runs."""
         if self.broken:
             raise PoolUnavailable(self.broken)
-        refs = [w.generate.remote(requests) for w in self.workers]
+        steps = previews.steps if previews is not None else ()
+        refs = [w.generate.remote(requests, steps) for w in self.workers]
         batch = asyncio.ensure_future(asyncio.gather(*refs))
 
+        async def forward_previews() -> None:
+            if previews is not None and steps:
+                for index, step, pngs in await self.workers[0].take_previews.remote():
+                    previews.emit(index, step, pngs)
+
         async def watch_cancel() -> None:
+            cancelled = False
             while not batch.done():
-                if should_stop():
+                if not cancelled and should_stop():
                     for w in self.workers:
                         w.cancel.remote()
-                    return
+                    cancelled = True
+                await forward_previews()
                 await asyncio.sleep(CANCEL_POLL_S)
 
         watcher = asyncio.ensure_future(watch_cancel())
         try:
             results = await asyncio.shield(batch)
+            await watcher  # it ends with the batch; a preview it has taken is emitted, never dropped
         except GenerationCancelled:
             raise
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
@@ -242,6 +257,7 @@ class TPEngine:
             raise
         finally:
             watcher.cancel()
+        await forward_previews()  # the ones made after the watcher's last look
         return results[0]
 
     async def check_health(self) -> None:

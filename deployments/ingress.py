@@ -9,6 +9,7 @@ expiry the pool calls are cancelled, so the replica stops the batch between step
 
 import asyncio
 import base64
+import json
 import logging
 import time
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
@@ -92,13 +93,42 @@ def _reason(e: BaseException) -> str:
     return text[-1] if text else type(cause).__name__
 
 
+def _failure(pool: str, e: BaseException, timeout_s: float) -> tuple[int, JSONResponse]:
+    """The HTTP answer to a pool call that failed with `e` (every failure gets a JSON reason)."""
+    if isinstance(e, asyncio.TimeoutError):
+        return 504, _error(504, f"deadline of {timeout_s:g} s exceeded in pool {pool!r}; the request was cancelled",
+                           "timeout")
+    if isinstance(e, BadRequest):
+        return 400, _error(400, e.message, "invalid_request_error", e.param)
+    if isinstance(e, OutOfMemory):
+        return 503, _retry_later(_error(503, f"pool {pool!r}: {_reason(e)}", "out_of_memory"))
+    if isinstance(e, BackPressureError):
+        logger.warning("pool %s overloaded: %r", pool, e)
+        return 503, _retry_later(_error(503, f"pool {pool!r} is at capacity: {_reason(e)}", "overloaded"))
+    if isinstance(e, (PoolUnavailable, ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError,
+                      RequestCancelledError)):
+        logger.warning("pool %s unavailable: %r", pool, e)
+        return 503, _error(503, f"pool {pool!r} unavailable: {_reason(e)}", "unavailable")
+    if isinstance(e, GenerationFailed):
+        return 500, _error(500, f"generation failed in pool {pool!r}: {_reason(e)}", "server_error")
+    # anything else still gets a JSON answer, never a hang or a drop
+    logger.exception("pool %s: unexpected error", pool)
+    return 500, _error(500, f"internal error in pool {pool!r}: {type(e).__name__}: {_reason(e)}", "server_error")
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
 @serve.deployment(max_ongoing_requests=64)
 @serve.ingress(api)
 class Ingress:
     def __init__(
-        self, lossless: DeploymentHandle, high: DeploymentHandle, args: dict[str, Any], model_name: str
+        self, lossless: DeploymentHandle, high: DeploymentHandle, files: DeploymentHandle, args: dict[str, Any],
+        model_name: str,
     ) -> None:
         self.args = AppArgs.parse(args)
+        self.files = files
         keys = self.args.load_api_keys()
         auth.set_keys(keys)
         logger.info("ingress: API keys %s", f"required ({len(keys)} keys)" if keys else "off")  # never the keys
@@ -160,7 +190,17 @@ class Ingress:
         except BadRequest as e:
             self.m_requests.inc(tags={"pool": "none", "status": "400"})
             return _error(400, e.message, "invalid_request_error", e.param)
-        return await self._serve(v, request)
+        return await self._serve(v, request, "image_generation")
+
+    @api.get("/v1/images/files/{file_id}", name="image_file")
+    async def image_file(self, file_id: str) -> Any:
+        """An image kept for `response_format: "url"` (until it expires or the store needs the room)."""
+        found = await self.files.get.remote(file_id)
+        if found is None:
+            return _error(404, f"no image {file_id!r}: unknown, or expired (images are kept "
+                               f"{self.args.image_url_ttl_s:g} s)", "not_found")
+        data, media_type = found
+        return Response(content=data, media_type=media_type)
 
     @api.post(
         "/v1/images/edits",
@@ -191,17 +231,20 @@ class Ingress:
         except BadRequest as e:
             self.m_requests.inc(tags={"pool": "none", "status": "400"})
             return _error(400, e.message, "invalid_request_error", e.param)
-        return await self._serve(v, request)
+        return await self._serve(v, request, "image_edit")
 
-    async def _serve(self, v: Validated, request: Request) -> Any:
-        """Route validated jobs to their pool and answer (JSON with b64 images, or one raw image)."""
+    async def _serve(self, v: Validated, request: Request, kind: str) -> Any:
+        """Route validated jobs to their pool and answer (JSON with b64 images or URLs, one raw image, or a stream
+        of server-sent events whose types start with `kind`)."""
         pool = v.jobs[0].quality
         media_type = f"image/{v.output_format}"
         wants_raw = media_type in request.headers.get("accept", "")
-        if wants_raw and len(v.jobs) != 1:
+        if wants_raw and (len(v.jobs) != 1 or v.stream):
             self.m_requests.inc(tags={"pool": pool, "status": "400"})
-            return _error(400, f"Accept: {media_type} needs n == 1 (use JSON b64_json for several images)",
+            return _error(400, f"Accept: {media_type} needs n == 1 and no stream (use JSON for several images)",
                           "invalid_request_error", "n")
+        if v.stream:
+            return await self._stream(v, kind)
         t0 = time.perf_counter()
         self._inflight[pool] += 1
         self.m_inflight.set(self._inflight[pool], tags={"pool": pool})
@@ -236,9 +279,15 @@ class Ingress:
                     "X-Total-Time-S": f"{elapsed:.4f}",
                 },
             )
+        if v.response_format == "url":
+            ids = await asyncio.gather(*[self.files.put.remote(im, media_type) for im in images])
+            data = [{"url": str(request.url_for("image_file", file_id=i)), "seed": r["seed"]}
+                    for i, r in zip(ids, results)]
+        else:
+            data = [{"b64_json": base64.b64encode(im).decode(), "seed": r["seed"]} for im, r in zip(images, results)]
         return {
             "created": int(time.time()),
-            "data": [{"b64_json": base64.b64encode(im).decode(), "seed": r["seed"]} for im, r in zip(images, results)],
+            "data": data,
             "model": self.model_name,
             "quality": results[0]["quality"],
             "output_format": v.output_format,
@@ -253,6 +302,63 @@ class Ingress:
             "queued_together": [r["queued_together"] for r in results],
         }
 
+    async def _stream(self, v: Validated, kind: str) -> Any:
+        """Server-sent events: `<kind>.partial_image` per preview, then `<kind>.completed` with the final image (the
+        same bytes as unstreamed), or an `error` event. A failure before the first event keeps its HTTP status; a
+        closed stream or an expired deadline cancels the work."""
+        pool, job = v.jobs[0].quality, v.jobs[0]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + v.timeout_s
+        t0 = time.perf_counter()
+        events = self.pools[pool].options(stream=True).generate_stream.remote(job, v.partial_images)
+
+        async def next_event() -> tuple[int, Any]:
+            try:
+                return 200, await asyncio.wait_for(events.__anext__(), timeout=max(deadline - loop.time(), 0.0))
+            except asyncio.CancelledError:
+                events.cancel()
+                raise
+            except StopAsyncIteration:
+                return 500, _error(500, f"pool {pool!r} ended the stream without an image", "server_error")
+            except Exception as e:
+                events.cancel()
+                return _failure(pool, e, v.timeout_s)
+
+        status, first = await next_event()
+        if status != 200:  # nothing sent yet: answer with the status itself
+            self.m_requests.inc(tags={"pool": pool, "status": str(status)})
+            return first
+        common = {"size": v.size, "quality": pool, "background": "opaque", "output_format": v.output_format}
+
+        def encoded(png: bytes) -> str:
+            return base64.b64encode(encode_image(png, v.output_format, v.output_compression)).decode()
+
+        async def body() -> Any:
+            status, event = 200, first
+            try:
+                while status == 200:
+                    if "final" in event:
+                        r = event["final"]
+                        timings = {**r["timings"], "ingress_total_s": time.perf_counter() - t0}
+                        yield _sse(f"{kind}.completed", {
+                            "type": f"{kind}.completed", "b64_json": await asyncio.to_thread(encoded, r["png"]),
+                            "created_at": int(time.time()), **common, "seed": r["seed"], "timings": timings})
+                        self.m_latency.observe(time.perf_counter() - t0, tags={"pool": pool})
+                        return
+                    yield _sse(f"{kind}.partial_image", {
+                        "type": f"{kind}.partial_image", "b64_json": await asyncio.to_thread(encoded, event["png"]),
+                        "partial_image_index": event["partial_image_index"], "created_at": int(time.time()),
+                        **common})
+                    status, event = await next_event()
+                error = json.loads(event.body)["error"]
+                yield _sse("error", {"type": "error", "error": error})
+            finally:
+                self.m_requests.inc(tags={"pool": pool, "status": str(status)})
+                events.cancel()  # a no-op once the stream has ended; else the client left: stop the work
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     async def _dispatch(self, pool: str, jobs: list, timeout_s: float) -> tuple[int, Any]:
         """Send each image to the pool; (200, results) or (status, JSONResponse)."""
         handle = self.pools[pool]
@@ -263,33 +369,9 @@ class Ingress:
 
         try:
             return 200, await asyncio.wait_for(_gather(), timeout=timeout_s)
-        except asyncio.TimeoutError:
-            _cancel(responses)
-            return 504, _error(504, f"deadline of {timeout_s:g} s exceeded in pool {pool!r}; the request "
-                                    "was cancelled", "timeout")
         except asyncio.CancelledError:  # the HTTP client went away: stop the work it asked for
             _cancel(responses)
             raise
-        except BadRequest as e:
+        except Exception as e:
             _cancel(responses)
-            return 400, _error(400, e.message, "invalid_request_error", e.param)
-        except OutOfMemory as e:
-            _cancel(responses)
-            return 503, _retry_later(_error(503, f"pool {pool!r}: {_reason(e)}", "out_of_memory"))
-        except BackPressureError as e:
-            _cancel(responses)
-            logger.warning("pool %s overloaded: %r", pool, e)
-            return 503, _retry_later(_error(503, f"pool {pool!r} is at capacity: {_reason(e)}", "overloaded"))
-        except (PoolUnavailable, ray.exceptions.ActorDiedError,
-                ray.exceptions.ActorUnavailableError, RequestCancelledError) as e:
-            _cancel(responses)
-            logger.warning("pool %s unavailable: %r", pool, e)
-            return 503, _error(503, f"pool {pool!r} unavailable: {_reason(e)}", "unavailable")
-        except GenerationFailed as e:
-            _cancel(responses)
-            return 500, _error(500, f"generation failed in pool {pool!r}: {_reason(e)}", "server_error")
-        except Exception as e:  # anything else still gets a JSON answer, never a hang or a drop
-            _cancel(responses)
-            logger.exception("pool %s: unexpected error", pool)
-            return 500, _error(500, f"internal error in pool {pool!r}: {type(e).__name__}: {_reason(e)}",
-                               "server_error")
+            return _failure(pool, e, timeout_s)

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 from ray import serve
 
@@ -23,6 +23,7 @@ from deployments.config import AppArgs
 from deployments.engine import make_engine
 from deployments.errors import GenerationFailed, OutOfMemory, PoolUnavailable
 from model.pipeline import GenerationCancelled
+from model.preview import PreviewSink, preview_steps
 from model.request import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
@@ -34,6 +35,12 @@ class _Ticket:
     # Set by generate() when its caller gave up (ingress timeout, client gone): the batch handler's
     # should_stop() stops a group once every ticket in it is cancelled.
     cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -76,6 +83,34 @@ class FluxReplica:
             return value
         raise value
 
+    async def generate_stream(self, job: GenerationRequest, partial_images: int) -> AsyncIterator[dict[str, Any]]:
+        """One image with up to `partial_images` previews while it denoises: yields {"partial_image_index",
+        "step", "png"} per preview, then {"final": <what generate returns>}. It runs as its own pipeline call (a
+        batch of one, so its final image equals the same request served alone, byte for byte in the lossless
+        pool). The caller going away (a closed stream) stops the work at the next step."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def emit(index: int, step: int, pngs: list[bytes]) -> None:  # any thread: the pipeline's or the loop's
+            event = {"partial_image_index": index, "step": step, "png": pngs[0]}
+            loop.call_soon_threadsafe(events.put_nowait, ("partial", event))
+
+        ticket = _Ticket(job)
+        sink = PreviewSink(preview_steps(job.denoising_steps, partial_images), emit)
+        work = asyncio.ensure_future(self._run_chunk([ticket], 1, previews=sink))
+        work.add_done_callback(lambda _: events.put_nowait(("done", None)))
+        try:
+            while True:
+                kind, event = await events.get()
+                if kind == "done":
+                    break
+                yield event
+            yield {"final": work.result()[0]}  # raises the batch's error, as generate() would
+        finally:
+            if not work.done():  # the stream was closed or cancelled before the image was done
+                ticket.cancelled.set()
+                work.add_done_callback(lambda w: w.cancelled() or w.exception())  # retrieved: no loop warning
+
     @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.05)
     async def _batched(self, tickets: list[_Ticket]) -> list[tuple[str, Any]]:
         groups: dict[tuple, list[int]] = {}
@@ -95,7 +130,8 @@ class FluxReplica:
                         out[i] = ("err", exc)
         return out  # type: ignore[return-value]
 
-    async def _run_chunk(self, chunk: list[_Ticket], queued_together: int) -> list[dict[str, Any]]:
+    async def _run_chunk(self, chunk: list[_Ticket], queued_together: int,
+                         previews: PreviewSink | None = None) -> list[dict[str, Any]]:
         """One pipeline call for compatible tickets; stops between steps once all its callers are gone."""
         requests = [t.job for t in chunk]
 
@@ -106,7 +142,7 @@ class FluxReplica:
         try:
             async with self._busy:  # one pipeline call at a time per replica
                 t0 = time.perf_counter()
-                results = await self.engine.generate(requests, should_stop)
+                results = await self.engine.generate(requests, should_stop, previews)
         except GenerationCancelled:
             self._cancelled_batches += 1
             raise
@@ -150,6 +186,7 @@ class FluxReplica:
             "images": self._images,
             "out_of_memory": self._out_of_memory,
             "replica_id": serve.get_replica_context().replica_id.unique_id,
+            "node_id": _node_id(),
             # captures / replays / eager fallbacks of the CUDA-graph cache (None: graphs off)
             **self.engine.stats(),
         }

@@ -12,10 +12,11 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from deployments.config import AppArgs
 from deployments.errors import BadRequest
+from model.preview import MAX_PARTIAL_IMAGES
 from model.request import QUALITIES, SEED_LIMIT, GenerationRequest, decode_image, format_size
 
 SEED_MAX = SEED_LIMIT - 1
@@ -52,7 +53,15 @@ class ImageRequest(BaseModel):
     steps: StrictInt | None = Field(None, description="Denoising steps; default from config.")
     guidance: StrictFloat | StrictInt | None = Field(None, description="Guidance scale; default from config.")
     seed: StrictInt | None = Field(None, description="Seed of the first image; random (and reported) if absent.")
-    response_format: Literal["b64_json"] = Field("b64_json", description="Only b64_json is served.")
+    response_format: Literal["b64_json", "url"] = Field(
+        "b64_json", description="b64_json, or url: the image is kept by the server for image_url_ttl_s seconds and "
+                                "served at the URL (refused when the server keeps no images)."
+    )
+    stream: StrictBool = Field(False, description="Server-sent events: partial images while it denoises, then the "
+                                                 "completed image (n must be 1).")
+    partial_images: StrictInt | None = Field(
+        None, description=f"Previews streamed before the final image, 0-{MAX_PARTIAL_IMAGES} (stream only; default 0)."
+    )
     model: StrictStr | None = Field(None, description="Accepted for OpenAI clients; must match /v1/models if set.")
     timeout_s: StrictFloat | StrictInt | None = Field(
         None, description="Per-request deadline (seconds), at most the server's request_timeout_s."
@@ -72,7 +81,8 @@ class ImageRequest(BaseModel):
 
 
 class ImageDatum(BaseModel):
-    b64_json: str
+    b64_json: str | None = None
+    url: str | None = None
     seed: int
 
 
@@ -115,6 +125,9 @@ class Validated:
     size: str
     output_format: str = "png"
     output_compression: int = 100
+    response_format: str = "b64_json"
+    stream: bool = False
+    partial_images: int = 0
 
 
 def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
@@ -157,11 +170,31 @@ def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
         raise BadRequest("output_compression", "output_compression applies to jpeg and webp only (png is lossless)")
     if not 0 <= compression <= 100:
         raise BadRequest("output_compression", f"output_compression must be between 0 and 100, got {compression}")
+    _check_delivery(req, args)
     loras = _loras(req.lora or [], args)
     jobs = [GenerationRequest(req.prompt, height, width, steps, guidance, seed + i, quality, loras)
             for i in range(req.n)]
     return Validated(jobs=jobs, timeout_s=timeout_s, size=format_size(height, width),
-                     output_format=req.output_format, output_compression=compression)
+                     output_format=req.output_format, output_compression=compression,
+                     response_format=req.response_format, stream=req.stream, partial_images=req.partial_images or 0)
+
+
+def _check_delivery(req: ImageRequest, args: AppArgs) -> None:
+    """How the image is sent back: streamed or not, b64_json or a URL."""
+    if req.partial_images is not None:
+        if not req.stream:
+            raise BadRequest("partial_images", "partial_images needs stream: true")
+        if not 0 <= req.partial_images <= MAX_PARTIAL_IMAGES:
+            raise BadRequest("partial_images", f"partial_images must be between 0 and {MAX_PARTIAL_IMAGES}, got "
+                                               f"{req.partial_images}")
+    if req.stream and req.n != 1:
+        raise BadRequest("n", f"stream: true needs n == 1, got {req.n}")
+    if req.response_format == "url":
+        if req.stream:
+            raise BadRequest("response_format", "streamed images are sent as b64_json; response_format url is not "
+                                                "streamed")
+        if args.image_url_ttl_s <= 0:
+            raise BadRequest("response_format", "this server keeps no images (image_url_ttl_s is 0): use b64_json")
 
 
 def _loras(refs: list[LoraRef], args: AppArgs) -> tuple[tuple[str, float], ...]:
@@ -185,11 +218,16 @@ def _loras(refs: list[LoraRef], args: AppArgs) -> tuple[tuple[str, float], ...]:
 # -- POST /v1/images/edits ---------------------------------------------------------------------------------------
 
 MAX_EDIT_IMAGE_BYTES = 20 * 1024 * 1024
-_FORM_INTS = ("n", "steps", "seed", "output_compression")
+_FORM_INTS = ("n", "steps", "seed", "output_compression", "partial_images")
 _FORM_FLOATS = ("guidance", "timeout_s")
+_FORM_BOOLS = {"true": True, "false": False, "1": True, "0": False}
 
 
 def _form_value(name: str, value: str) -> Any:
+    if name == "stream":
+        if value.strip().lower() not in _FORM_BOOLS:
+            raise BadRequest(name, f"{name} must be true or false, got {value!r}")
+        return _FORM_BOOLS[value.strip().lower()]
     try:
         if name in _FORM_INTS:
             return int(value)

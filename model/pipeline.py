@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from model import faults
+from model.preview import PreviewSink, previewer_of
 from model.request import GenerationRequest, Quality, decode_image, validate_batch
 from model.tiers import TierPlan, applied_tier, plan_tier
 
@@ -100,25 +101,36 @@ def edit_pipeline(pipe: Any, inpaint: bool) -> Any:
 
 
 def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bool = False,
-                      should_stop: Callable[[], bool] | None = None) -> tuple[list[torch.Tensor], list[bytes]]:
+                      should_stop: Callable[[], bool] | None = None,
+                      previews: PreviewSink | None = None) -> tuple[list[torch.Tensor], list[bytes]]:
     """Run any diffusers FluxPipeline (ours or the stock reference) on one uniform batch.
 
     Returns (unpacked final latents per request on the CPU, PNG bytes per request). The same call is used for our
-    pipeline and for the reference, so the two can only differ through their transformers.
+    pipeline and for the reference, so the two can only differ through their transformers. `previews`: partial
+    images after the steps it names (model/preview.py); they only read the latents.
     """
     import torch
 
     validate_batch(requests)
     first = requests[0]
-    steps = first.steps
+    steps = first.denoising_steps
     if should_stop is not None and should_stop():
         raise GenerationCancelled("cancelled before the first step")
     final: dict[str, torch.Tensor] = {}
 
     prompts = [r.prompt for r in requests]
 
+    previewer = previewer_of(pipe) if previews is not None and previews.steps else None
+
     def on_step_end(_pipe: Any, i: int, _t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        previous = final.get("latents")
         final["latents"] = kwargs["latents"]  # packed [B, tokens, 64]; no device sync here
+        if previewer is not None and i in previews.steps:
+            # the scheduler has stepped: its sigmas[step_index] is the sigma these latents are at
+            sigmas, j = _pipe.scheduler.sigmas, _pipe.scheduler.step_index
+            pngs = previewer.pngs(kwargs["latents"], previous, float(sigmas[j - 1]), float(sigmas[j]),
+                                  first.height, first.width)
+            previews.emit(previews.steps.index(i), i, pngs)
         faults.after_step(prompts, i)
         if should_stop is not None and i + 1 < steps and should_stop():
             raise GenerationCancelled(f"cancelled after step {i + 1} of {steps}")
@@ -139,7 +151,7 @@ def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bo
         prompt=prompts,
         height=first.height,
         width=first.width,
-        num_inference_steps=steps,
+        num_inference_steps=first.steps,
         guidance_scale=first.guidance,
         generator=generators,
         output_type="pil",
@@ -351,11 +363,12 @@ class FluxServePipeline:
     def generate(self, requests: list[GenerationRequest], progress: bool = False,
                  should_stop: Callable[[], bool] | None = None,
                  compiled: bool | None = None, cuda_graphs: bool | None = None,
-                 agree: Callable[[bool], bool] | None = None) -> list[GenerationResult]:
+                 agree: Callable[[bool], bool] | None = None,
+                 previews: PreviewSink | None = None) -> list[GenerationResult]:
         """Generate one uniform batch under its tier's plan (`plan`), applied for this batch only
         (`model.tiers.applied_tier`). "high" mounts the GELU sites; if the kernels refuse (e.g. on the CPU) it runs
         unfused and every result says mounted_sites=0. agree: the TP ranks' agreement on the mount (see
-        applied_tier)."""
+        applied_tier). previews: partial images while it denoises (the results do not change)."""
         validate_batch(requests)
         quality = requests[0].quality
         plan = self.plan(quality, compiled, cuda_graphs)
@@ -367,7 +380,7 @@ class FluxServePipeline:
                 if report.mount_report is not None:
                     self.last_mount_report = report.mount_report
                 t1 = time.perf_counter()
-                latents, pngs = run_flux_pipeline(self.pipe, requests, progress, should_stop)
+                latents, pngs = run_flux_pipeline(self.pipe, requests, progress, should_stop, previews)
             _sync(self.device)
             t2 = time.perf_counter()
         timings = {"mount_s": t1 - t0, "pipeline_s": t2 - t1, "total_s": t2 - t0, "batch_size": float(len(requests))}

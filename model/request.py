@@ -84,6 +84,14 @@ class GenerationRequest:
     mask: bytes | None = field(default=None, repr=False)
     strength: float = 0.6
 
+    @property
+    def denoising_steps(self) -> int:
+        """Steps the pipeline runs: all of them for text-to-image; for an edit, the last `strength` of them (as
+        diffusers' image-to-image pipelines start part-way down the schedule)."""
+        if self.image is None:
+            return self.steps
+        return self.steps - int(max(self.steps - min(self.steps * self.strength, self.steps), 0))
+
     def edit_key(self) -> tuple | None:
         if self.image is None:
             return None

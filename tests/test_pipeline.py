@@ -563,3 +563,53 @@ def test_fault_injection_slows_or_fails_only_its_prompt(tiny_pipe, monkeypatch) 
     monkeypatch.setenv(faults.ENV, "[1, 2]")
     with pytest.raises(ValueError, match="FLUXSERVE_FAULTS must be a JSON object"):
         faults.after_step(["x"], 0)
+
+
+def test_previews_leave_the_image_unchanged_and_come_after_their_steps(tiny_pipe) -> None:
+    """Partial images only read the latents: the result equals the run without previews (torch.equal latents, same
+    PNG bytes); one PNG per request of the batch at each chosen step, at the image's size."""
+    from PIL import Image
+
+    from model.preview import PreviewSink, preview_steps
+
+    reqs = [GenerationRequest("a kite", height=64, width=128, steps=6, seed=s) for s in (1, 2)]
+    got: list = []
+    steps = preview_steps(6, 3)
+    assert steps == (2, 3, 4)
+    with_previews = tiny_pipe.generate(reqs, previews=PreviewSink(steps, lambda k, i, pngs: got.append((k, i, pngs))))
+    plain = tiny_pipe.generate(reqs)
+    for a, b in zip(with_previews, plain):
+        assert torch.equal(a.latents, b.latents) and a.png == b.png
+    assert [(k, i) for k, i, _ in got] == [(0, 2), (1, 3), (2, 4)]
+    for _, _, pngs in got:
+        assert len(pngs) == 2 and all(Image.open(io.BytesIO(p)).size == (128, 64) for p in pngs)
+
+
+def test_preview_steps_spread_and_bounds() -> None:
+    from model.preview import preview_steps
+
+    assert preview_steps(28, 3) == (7, 14, 20)
+    assert preview_steps(28, 1) == (14,)
+    assert preview_steps(28, 0) == () and preview_steps(2, 3) == ()
+    assert preview_steps(4, 2) == (1, 2) and preview_steps(5, 2) == (2, 3)  # distinct even when few
+    assert preview_steps(4, 3) == (1, 2)  # fewer steps than previews asked: one per inner step
+    with pytest.raises(ValueError, match="between 0 and 3"):
+        preview_steps(10, 4)
+
+
+def test_preview_map_recovers_colours_of_a_picture_it_was_not_fitted_on(tiny_pipe) -> None:
+    """The latent -> RGB fit generalises: on a held-out picture encoded by the same VAE, the preview's colours
+    correlate with the picture's (8x8 averages). The tiny preset's VAE has random weights, so the bar is low; a
+    broken fit (wrong layout or scaling) scores about zero."""
+    import torch.nn.functional as F
+
+    from model.preview import _fit_picture, previewer_of
+
+    pipe = tiny_pipe.pipe
+    w = previewer_of(pipe).weights()
+    picture = _fit_picture(256, seed=7)[None]
+    with torch.no_grad():
+        z = (pipe.vae.encode(picture).latent_dist.mean - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+    rgb = torch.einsum("bchw,cd->bdhw", z.float(), w[:-1]) + w[-1][None, :, None, None]
+    corr = torch.corrcoef(torch.stack([rgb.flatten(), F.avg_pool2d(picture, 8).flatten()]))[0, 1]
+    assert corr > 0.2, float(corr)

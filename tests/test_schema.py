@@ -114,7 +114,7 @@ def test_default_size_outside_the_limits_is_a_config_error() -> None:
 
 @pytest.mark.parametrize("body,field", [
     ({"prompt": 5}, "prompt"), ({"n": "2"}, "n"), ({"steps": 4.5}, "steps"), ({"seed": "1"}, "seed"),
-    ({"guidance": "3"}, "guidance"), ({"size": [256, 256]}, "size"), ({"response_format": "url"}, "response_format"),
+    ({"guidance": "3"}, "guidance"), ({"size": [256, 256]}, "size"), ({"response_format": "link"}, "response_format"),
     ({"colour": "red"}, "colour"),
 ])
 def test_the_http_model_is_strict_about_types(body: dict, field: str) -> None:
@@ -200,3 +200,51 @@ def test_encode_image_keeps_png_bytes_and_reencodes_lossy_formats() -> None:
         assert best.startswith(magic) and worst.startswith(magic) and len(worst) < len(best)
         im = Image.open(io.BytesIO(best))
         assert im.format == fmt.upper() and im.size == (64, 48)
+
+
+def test_stream_and_url_delivery_rules() -> None:
+    v = _validate(stream=True, partial_images=3)
+    assert (v.stream, v.partial_images, v.response_format) == (True, 3, "b64_json")
+    assert _validate(stream=True).partial_images == 0
+    assert _validate(response_format="url", n=2).response_format == "url"
+    refused = [({"partial_images": 1}, "partial_images", "partial_images needs stream: true"),
+               ({"stream": True, "partial_images": -1}, "partial_images", "between 0 and 3"),
+               ({"stream": True, "n": 2}, "n", "stream: true needs n == 1, got 2"),
+               ({"stream": True, "response_format": "url"}, "response_format", "streamed images are sent as b64_json")]
+    for body, param, words in refused:
+        with pytest.raises(BadRequest) as exc:
+            _validate(**body)
+        assert exc.value.param == param and words in exc.value.message, body
+    with pytest.raises(BadRequest, match="keeps no images"):
+        _validate(replace(ARGS, image_url_ttl_s=0), response_format="url")
+    with pytest.raises(Exception):
+        ImageRequest(prompt="x", stream="yes")  # strict bool
+
+
+def test_edit_form_stream_fields() -> None:
+    from deployments.schema import validate_edit
+    from tests._inputs import random_png
+
+    files = {"image": random_png(1)}
+    v = validate_edit({"prompt": "a", "stream": "true", "partial_images": "2"}, files, ARGS, MODEL)
+    assert (v.stream, v.partial_images) == (True, 2)
+    assert validate_edit({"prompt": "a", "stream": "false"}, files, ARGS, MODEL).stream is False
+    with pytest.raises(BadRequest, match="stream must be true or false, got 'maybe'"):
+        validate_edit({"prompt": "a", "stream": "maybe"}, files, ARGS, MODEL)
+
+
+def test_file_store_expires_and_evicts_the_oldest() -> None:
+    from deployments.files import FileStore
+
+    now = [0.0]
+    store = FileStore(ttl_s=10, max_bytes=10, clock=lambda: now[0])
+    a = store.put(b"aaaa", "image/png")
+    b = store.put(b"bbbb", "image/jpeg")
+    assert store.get(a) == (b"aaaa", "image/png") and store.get(b) == (b"bbbb", "image/jpeg")
+    c = store.put(b"cccc", "image/png")  # 12 bytes > 10: the oldest goes
+    assert store.get(a) is None and store.get(b) is not None and store.get(c) is not None
+    assert len({a, b, c}) == 3 and len(a) >= 24  # random, unguessable ids
+    now[0] = 10.0  # b and c expire together (same ttl)
+    assert store.get(b) is None and store.get(c) is None
+    with pytest.raises(ValueError, match="does not fit"):
+        store.put(b"x" * 11, "image/png")

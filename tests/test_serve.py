@@ -77,7 +77,20 @@ def _md5(b: bytes) -> str:
 def _direct_png(pipe: Any, **kw: Any) -> bytes:
     from model.pipeline import GenerationRequest
 
-    return pipe.generate([GenerationRequest(**kw)])[0].png
+    return _direct(pipe, GenerationRequest(**kw))
+
+
+def _direct(pipe: Any, request: Any) -> bytes:
+    """The pipeline's PNG for `request` in this process, at the replicas' torch thread count (cpu_threads 1): on the
+    CPU an edit's bytes depend on the thread count (stock diffusers alike), so the comparison holds it equal."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return pipe.generate([request])[0].png
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -369,7 +382,7 @@ BAD = [
     ({"prompt": "x", "n": "2"}, "n", "n: Input should be a valid integer"),
     ({"prompt": "x", "steps": 4.5}, "steps", "steps: Input should be a valid integer"),
     ({"prompt": "x", "size": [256, 256]}, "size", "size: Input should be a valid string"),
-    ({"prompt": "x", "response_format": "url"}, "response_format", "response_format: Input should be"),
+    ({"prompt": "x", "response_format": "link"}, "response_format", "response_format: Input should be"),
     ({"prompt": "x", "colour": "red"}, "colour", "unknown field 'colour'"),
     ({"n": 1}, "prompt", "missing required field 'prompt'"),
     (["prompt"], None, "request body must be a JSON object"),
@@ -453,7 +466,7 @@ def test_health_models_openapi_metrics(serve_app: dict) -> None:
     app = serve.status().applications[APP]
     assert app.status == "RUNNING"
     statuses = {d: s.status for d, s in app.deployments.items()}
-    assert set(statuses) == {"Ingress", "lossless", "high"}
+    assert set(statuses) == {"Ingress", "ImageFiles", "lossless", "high"}
     assert all(s in ("HEALTHY", "UPSCALING", "DOWNSCALING") for s in statuses.values()), statuses
 
 
@@ -632,7 +645,7 @@ def test_api_keys_guard_every_route_but_healthz(auth_app: dict) -> None:
     openai = pytest.importorskip("openai")
     url = auth_app["url"]
     assert requests.get(url + "/healthz", timeout=10).status_code == 200
-    for path in ("/v1/models", "/docs", "/openapi.json"):
+    for path in ("/v1/models", "/docs", "/openapi.json", "/v1/images/files/any-id"):
         for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "sk-test-one"}):
             r = requests.get(url + path, headers=headers, timeout=10)
             assert r.status_code == 401, (path, headers, r.text)
@@ -825,8 +838,8 @@ def test_edits_through_the_openai_client_equal_the_pipeline(serve_app: dict) -> 
         kwargs = {"mask": ("mask.png", m, "image/png")} if m is not None else {}
         res = client.images.edit(image=("in.png", image, "image/png"), prompt="a red fox", **kwargs,
                                  extra_body={"seed": 3, "steps": 2, "strength": 0.7, "quality": "lossless"})
-        direct = serve_app["pipe"].generate([GenerationRequest("a red fox", height=64, width=64, steps=2, seed=3,
-                                                               image=image, mask=m, strength=0.7)])[0].png
+        direct = _direct(serve_app["pipe"], GenerationRequest("a red fox", height=64, width=64, steps=2, seed=3,
+                                                              image=image, mask=m, strength=0.7))
         assert base64.b64decode(res.data[0].b64_json) == direct, m is not None
     url = serve_app["url"] + "/v1/images/edits"
     bad = [
@@ -845,3 +858,133 @@ def test_edits_through_the_openai_client_equal_the_pipeline(serve_app: dict) -> 
         assert r.status_code == 400 and message in r.json()["error"]["message"], (message, r.text)
     r = requests.post(url, json={"prompt": "a"}, timeout=30)
     assert r.status_code == 400 and "multipart/form-data" in r.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Streaming (server-sent events) and response_format url
+# --------------------------------------------------------------------------------------------------
+
+
+def _sse_events(response: Any) -> list[tuple[str, dict]]:
+    """(event, data) pairs of a text/event-stream body."""
+    out, event = [], None
+    for line in response.iter_lines():
+        line = line.decode() if isinstance(line, bytes) else line
+        if line.startswith("event: "):
+            event = line[len("event: "):]
+        elif line.startswith("data: "):
+            out.append((event, json.loads(line[len("data: "):])))
+    return out
+
+
+@pytest.mark.parametrize("pool", ["lossless", "high"])
+def test_stream_sends_partial_images_then_the_unstreamed_bytes(serve_app: dict, pool: str) -> None:
+    """`stream: true` through the official client: `partial_images` previews (PNG, the image's size) in order, then
+    the completed image, byte-identical to the same request not streamed (the high pool runs at TP=2: its previews
+    come from rank 0)."""
+    openai = pytest.importorskip("openai")
+    from PIL import Image
+
+    client = openai.OpenAI(base_url=serve_app["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    job = {"seed": 5, "steps": 6, "quality": pool}
+    events = list(client.images.generate(prompt="a blue kite", size="128x64", stream=True, partial_images=2,
+                                         extra_body=job))
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    assert [e.partial_image_index for e in events[:2]] == [0, 1]
+    for e in events:
+        im = Image.open(io.BytesIO(base64.b64decode(e.b64_json)))
+        assert im.format == "PNG" and im.size == (128, 64) and e.size == "128x64" and e.quality == pool
+    plain = _post(serve_app, {"prompt": "a blue kite", "size": "128x64", **job})
+    assert plain.status_code == 200, plain.text
+    assert base64.b64decode(events[-1].b64_json) == _png_of(plain.json())
+    assert events[-1].model_extra["seed"] == 5
+    if pool == "lossless":
+        direct = _direct_png(serve_app["pipe"], prompt="a blue kite", height=64, width=128, steps=6, guidance=3.5,
+                             seed=5, quality="lossless")
+        assert base64.b64decode(events[-1].b64_json) == direct
+
+
+def test_stream_of_an_edit_and_without_previews(serve_app: dict) -> None:
+    """Edits stream `image_edit.*` events (previews counted over the steps an edit runs); partial_images 0 sends the
+    completed event alone."""
+    openai = pytest.importorskip("openai")
+    from model.pipeline import GenerationRequest
+    from tests._inputs import random_png
+
+    client = openai.OpenAI(base_url=serve_app["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    image = random_png(1)
+    events = list(client.images.edit(image=("in.png", image, "image/png"), prompt="a red fox", stream=True,
+                                     partial_images=1, extra_body={"seed": 3, "steps": 8, "strength": 0.5}))
+    assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]
+    direct = _direct(serve_app["pipe"], GenerationRequest("a red fox", height=64, width=64, steps=8, seed=3,
+                                                          image=image, strength=0.5))
+    assert base64.b64decode(events[-1].b64_json) == direct
+    with httpx.stream("POST", serve_app["url"] + "/v1/images/generations", timeout=60,
+                      json={"prompt": "a cat", "size": "64x64", "steps": 3, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        got = _sse_events(r)
+    assert [e for e, _ in got] == ["image_generation.completed"]
+    assert got[0][1]["type"] == "image_generation.completed" and got[0][1]["output_format"] == "png"
+
+
+def test_stream_refusals_and_an_early_failure_keep_their_status(serve_app: dict) -> None:
+    """Streaming rules are 400s with reasons; a stream that fails before its first event is answered with the
+    failure's own status (here an out-of-memory batch: 503 + Retry-After), not a 200 stream."""
+    cases = [({"stream": True, "n": 2}, "stream: true needs n == 1"),
+             ({"partial_images": 2}, "partial_images needs stream: true"),
+             ({"stream": True, "partial_images": 4}, "partial_images must be between 0 and 3"),
+             ({"stream": True, "response_format": "url"}, "streamed images are sent as b64_json")]
+    for extra, message in cases:
+        r = _post(serve_app, {"prompt": "x", "size": "64x64", **extra})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (extra, r.text)
+    r = _post(serve_app, {"prompt": OOM, "size": "64x64", "steps": 2, "stream": True, "partial_images": 1})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "out_of_memory", r.text
+    assert r.headers["Retry-After"] == "1"
+
+
+def test_a_closed_stream_cancels_its_work(serve_app: dict) -> None:
+    """The client reads the first preview of a slow 10-step image and hangs up: the replica stops the batch
+    (counted as cancelled) and serves the next request."""
+    before = _pool_stats("lossless")["cancelled_batches"]
+    body = {"prompt": SLOW, "size": "64x64", "steps": 10, "stream": True, "partial_images": 3, "seed": 1}
+    t0 = time.time()
+    with httpx.stream("POST", serve_app["url"] + "/v1/images/generations", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                assert line == "event: image_generation.partial_image"
+                break
+    assert time.time() - t0 < 10 * STEP_DELAY_S[SLOW]  # left before the image could be done
+    deadline = time.time() + 20
+    while time.time() < deadline and _pool_stats("lossless")["cancelled_batches"] == before:
+        time.sleep(0.5)
+    assert _pool_stats("lossless")["cancelled_batches"] == before + 1
+    assert _post(serve_app, {"prompt": "next", "size": "64x64", "steps": 1}).status_code == 200
+
+
+def test_response_format_url_serves_the_image_from_the_app(serve_app: dict) -> None:
+    """`response_format: "url"` through the official client: the URL serves the same bytes the b64 answer carries
+    (the lossless pipeline's PNG); an unknown file id is a 404 JSON error."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=serve_app["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    res = client.images.generate(prompt="a boat", size="64x64", n=2, response_format="url",
+                                 extra_body={"seed": 7, "steps": 2})
+    assert [d.b64_json for d in res.data] == [None, None]
+    for i, d in enumerate(res.data):
+        assert d.url.startswith(serve_app["url"] + "/v1/images/files/")
+        got = requests.get(d.url, timeout=30)
+        assert got.status_code == 200 and got.headers["content-type"] == "image/png"
+        assert got.content == _direct_png(serve_app["pipe"], prompt="a boat", height=64, width=64, steps=2,
+                                          guidance=3.5, seed=7 + i, quality="lossless")
+    missing = requests.get(serve_app["url"] + "/v1/images/files/nope", timeout=30)
+    assert missing.status_code == 404 and "no image 'nope'" in missing.json()["error"]["message"]
+
+
+def test_a_tp_pool_sharing_a_gpu_without_gloo_fails_the_build() -> None:
+    """Fractional GPUs per rank (ranks on one device) with NCCL cannot run: the builder says why, before deploying."""
+    from deployments.app import build_app_with_options
+
+    shared = {"tp": 2, "rank_resources": {"CPU": 1, "GPU": 0.5}}
+    with pytest.raises(ValueError, match="ranks that share a GPU need backend: gloo"):
+        build_app_with_options({"device": "cuda", "pools": {"high": shared}})
+    build_app_with_options({"device": "cuda", "pools": {"high": {**shared, "backend": "gloo"}}})  # testing mode

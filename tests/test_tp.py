@@ -535,3 +535,19 @@ def test_single_rank_shard_is_identity(tiny_path: Path) -> None:
     ref = _forward(model, torch.float32)
     shard_flux_transformer(model, 0, 1, None)
     assert torch.equal(_forward(model, torch.float32), ref)
+
+
+def test_backend_rule() -> None:
+    """One rule for every caller: NCCL on CUDA, gloo on the CPU; ranks sharing a GPU need gloo; NCCL needs CUDA."""
+    from tp.dist import default_backend, resolve_backend
+
+    assert default_backend("cuda") == "nccl" and default_backend("cuda:1") == "nccl" and default_backend("cpu") == "gloo"
+    assert resolve_backend("gloo", "cuda", ranks_share_gpu=True) == "gloo"
+    assert resolve_backend("gloo", "cuda") == "gloo"
+    assert resolve_backend(None, "cpu", ranks_share_gpu=True) == "gloo"  # no GPU to share: the CPU rule
+    for backend, device, shared, words in ((None, "cuda", True, "ranks that share a GPU need backend: gloo"),
+                                           ("nccl", "cuda", True, "ranks that share a GPU need backend: gloo"),
+                                           ("nccl", "cpu", False, "backend nccl needs device cuda"),
+                                           ("mpi", "cpu", False, "backend must be one of")):
+        with pytest.raises(ValueError, match=words):
+            resolve_backend(backend, device, ranks_share_gpu=shared)

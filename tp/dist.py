@@ -8,19 +8,38 @@ which aborts the communicator and the process: an actor-level failure the caller
 
 from __future__ import annotations
 
+import logging
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_PORT = 29517
 DEFAULT_TIMEOUT_S = 120.0
+BACKENDS = ("nccl", "gloo")
 
 
 def default_backend(device: str | torch.device) -> str:
-    """The one backend rule: NCCL for ranks on CUDA devices (one GPU per rank), gloo on the CPU."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+    """NCCL for ranks on CUDA devices (one GPU per rank), gloo on the CPU (`resolve_backend` with no choice)."""
+    return resolve_backend(None, device)
+
+
+def resolve_backend(backend: str | None, device: str | torch.device, ranks_share_gpu: bool = False) -> str:
+    """The one backend rule. None: NCCL on CUDA, gloo on the CPU. Ranks that share a GPU (fractional GPUs per rank)
+    need gloo, which carries CUDA tensors through host memory: NCCL cannot put two ranks on one device. That mode
+    is for testing the sharded GPU kernels on one GPU, not for speed. ValueError for a combination that cannot run."""
+    cuda = torch.device(device).type == "cuda"
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} (or unset), got {backend!r}")
+    if ranks_share_gpu and cuda and backend != "gloo":
+        raise ValueError("ranks that share a GPU need backend: gloo (NCCL cannot put two ranks on one device); "
+                         "that mode is for testing, give each rank a whole GPU for speed")
+    if backend == "nccl" and not cuda:
+        raise ValueError(f"backend nccl needs device cuda, got {str(device)!r}")
+    return backend or ("nccl" if cuda else "gloo")
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -49,7 +68,10 @@ def init_tp(
         raise ValueError(f"rank {rank} outside [0, {world_size})")
     if dist.is_initialized():
         raise RuntimeError("a default process group already exists in this process; call shutdown_tp() first")
-    backend = backend or default_backend(device if device is not None else "cpu")
+    backend = resolve_backend(backend, device if device is not None else "cpu")
+    if backend == "gloo" and device is not None and torch.device(device).type == "cuda":
+        logger.warning("TP rank %d of %d: gloo on CUDA tensors (ranks sharing a GPU): for testing only, every "
+                       "all-reduce goes through host memory", rank, world_size)
     kwargs = {}
     if backend == "nccl" and device is not None:
         kwargs["device_id"] = torch.device(device)

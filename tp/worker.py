@@ -54,6 +54,8 @@ class TPWorker:
         self.ctrl_group = None
         self.pipe = None
         self._cancel = threading.Event()
+        self._previews: list[tuple[int, int, list[bytes]]] = []  # rank 0's partial images, until taken
+        self._previews_lock = threading.Lock()
 
     def setup(self) -> dict[str, Any]:
         """Join the group, load the full pipeline on this rank's device, shard the transformer in place."""
@@ -96,17 +98,33 @@ class TPWorker:
             "shard_s": time.perf_counter() - t2,
         }
 
-    def generate(self, requests: list[GenerationRequest]) -> list | None:
-        """Run one batch (SPMD: every rank gets the same call). Rank 0 returns the results, others None."""
+    def generate(self, requests: list[GenerationRequest], preview_steps: tuple[int, ...] = ()) -> list | None:
+        """Run one batch (SPMD: every rank gets the same call). Rank 0 returns the results, others None.
+        preview_steps: rank 0 keeps partial images after these steps for `take_previews`."""
+        from model.preview import PreviewSink
+
         if self.pipe is None:
             raise RuntimeError("TPWorker.setup() has not run")
         self._cancel.clear()
+        with self._previews_lock:
+            self._previews = []
+        previews = PreviewSink(tuple(preview_steps), self._keep_preview) if preview_steps and self.rank == 0 else None
         # A "high" batch mounts on every rank or on none: ranks that disagree would compute different GELUs (same
         # shapes, silently different images). The mount's local verdict is agreed over the control group; a refusal
         # anywhere runs the batch unmounted everywhere (reported as mounted_sites=0).
         results = self.pipe.generate(list(requests), should_stop=self._should_stop,
-                                     agree=lambda ok: agree_all_ranks(ok, self.ctrl_group))
+                                     agree=lambda ok: agree_all_ranks(ok, self.ctrl_group), previews=previews)
         return results if self.rank == 0 else None
+
+    def _keep_preview(self, index: int, step: int, pngs: list[bytes]) -> None:
+        with self._previews_lock:
+            self._previews.append((index, step, pngs))
+
+    def take_previews(self) -> list[tuple[int, int, list[bytes]]]:
+        """The partial images made since the last call (rank 0; call it while `generate` runs)."""
+        with self._previews_lock:
+            taken, self._previews = self._previews, []
+        return taken
 
     def _should_stop(self) -> bool:
         # Ranks must stop at the same step: agree on "any rank was asked to cancel" (one tiny all-reduce per
