@@ -41,7 +41,7 @@ def random_png(seed: int, size: tuple[int, int] = (64, 64), mask: bool = False) 
 
 
 def write_random_lora(transformer: torch.nn.Module, path: Path, seed: int, rank: int = 4,
-                      targets: tuple[str, ...] = LORA_TARGETS) -> Path:
+                      targets: tuple[str, ...] = LORA_TARGETS, std: float = 0.2) -> Path:
     """A random adapter in diffusers/PEFT key format on every block linear whose name ends with one of `targets`."""
     from safetensors.torch import save_file
 
@@ -49,8 +49,8 @@ def write_random_lora(transformer: torch.nn.Module, path: Path, seed: int, rank:
     sd = {}
     for name, mod in transformer.named_modules():
         if "blocks." in name and name.endswith(targets) and isinstance(mod, torch.nn.Linear):
-            sd[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, mod.in_features, generator=g) * 0.2
-            sd[f"transformer.{name}.lora_B.weight"] = torch.randn(mod.out_features, rank, generator=g) * 0.2
+            sd[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, mod.in_features, generator=g) * std
+            sd[f"transformer.{name}.lora_B.weight"] = torch.randn(mod.out_features, rank, generator=g) * std
     save_file(sd, str(path))
     return path
 

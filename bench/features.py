@@ -1,0 +1,133 @@
+"""What a LoRA adapter and an image edit cost on the GPU, and that `lossless` stays byte-identical with them.
+
+One process, one set of weights (default: the flux-dev-random preset, FLUX.1-dev architecture, random bf16 weights),
+1024x1024. Variants, interleaved within each repeat, median over repeats after a warm-up:
+  text        lossless text-to-image (`steps` steps)
+  lora        the same with one LoRA adapter active (rank `--lora-rank` on q/v/out, FF down and the single blocks'
+              MLP / output projections; PEFT layers through diffusers' loader)
+  img2img     an edit at `--strength` (runs strength x steps denoising steps, plus the VAE encode)
+  inpaint     the same with a mask
+Each variant's last image is compared with stock diffusers (the reference pipeline with diffusers' transformer, the
+same adapter file, the same edit pipelines): PNG md5 and latents must be equal. Random weights: speed is what this
+measures; the images themselves mean nothing.
+
+  python bench/features.py                          # full: 1024x1024, 28 steps, 3 repeats
+  python bench/features.py --size 256 --steps 2 --repeats 1 --model tiny --device cpu --dtype float32   # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from model.loading import diffusers_reference, load_pipeline  # noqa: E402
+from model.pipeline import GenerationRequest, md5, run_flux_pipeline  # noqa: E402
+from tests._inputs import random_png, write_random_lora  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    _sync()
+    t0 = time.perf_counter()
+    out = fn()
+    _sync()
+    return time.perf_counter() - t0, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="flux-dev-random")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--strength", type=float, default=0.6)
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "features-h200.json"))
+    args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench/features.py needs a CUDA GPU (or --device cpu for a dry run)", file=sys.stderr)
+        return 2
+    command = "python bench/features.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    dtype = getattr(torch, args.dtype)
+    build_s, ours = timed(lambda: load_pipeline(args.model, device=args.device, dtype=dtype))
+    ref_s, reference = timed(lambda: diffusers_reference(ours))
+    print(f"built {args.model}: ours {build_s:.1f}s, reference {ref_s:.1f}s", flush=True)
+
+    tmp = Path(tempfile.mkdtemp(prefix="features"))
+    lora = write_random_lora(ours.transformer, tmp / "adapter.safetensors", seed=1, rank=args.lora_rank, std=2e-3)
+    ours.load_loras({"adapter": str(lora)})
+    reference.load_lora_weights(str(lora), adapter_name="adapter")
+    image = random_png(3, (args.size, args.size))
+    mask = random_png(4, (args.size, args.size), mask=True)
+
+    base = dict(prompt="a photo of a red fox in fresh snow", height=args.size, width=args.size, steps=args.steps,
+                seed=0)
+    requests = {
+        "text": GenerationRequest(**base),
+        "lora": GenerationRequest(**base, loras=(("adapter", 1.0),)),
+        "img2img": GenerationRequest(**base, image=image, strength=args.strength),
+        "inpaint": GenerationRequest(**base, image=image, mask=mask, strength=args.strength),
+    }
+    times: dict[str, list[float]] = {k: [] for k in requests}
+    last: dict[str, Any] = {}
+    for i in range(args.warmup + args.repeats):
+        for name, req in requests.items():
+            t, [last[name]] = timed(lambda: ours.generate([req]))
+            if i >= args.warmup:
+                times[name].append(t)
+        print(f"  {'warm-up' if i < args.warmup else 'repeat'} {i}: "
+              + ", ".join(f"{k} {v[-1] if v else float('nan'):.3f}s" for k, v in times.items()), flush=True)
+
+    equal: dict[str, dict[str, bool]] = {}
+    for name, req in requests.items():
+        if name == "lora":
+            reference.enable_lora()
+            reference.set_adapters(["adapter"], [1.0])
+        else:
+            reference.disable_lora()
+        ref_latents, ref_pngs = run_flux_pipeline(reference, [req])
+        equal[name] = {"latents": bool(torch.equal(ref_latents[0], last[name].latents)),
+                       "png_md5": md5(ref_pngs[0]) == md5(last[name].png)}
+        print(f"  {name}: equal to stock diffusers {equal[name]}", flush=True)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    denoise = {"text": args.steps, "lora": args.steps, "img2img": requests["img2img"].denoising_steps,
+               "inpaint": requests["inpaint"].denoising_steps}
+    result = {
+        "command": command, "model": args.model, "size": args.size, "steps": args.steps, "strength": args.strength,
+        "lora_rank": args.lora_rank, "dtype": args.dtype, "repeats": args.repeats,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
+        "torch": torch.__version__, "median_s": med, "denoising_steps": denoise,
+        # whole call / denoising steps: includes the text encoders and the VAE, spread over the steps
+        "ms_per_denoising_step": {k: 1000 * med[k] / denoise[k] for k in med},
+        "lora_overhead": med["lora"] / med["text"] - 1.0,
+        "equal_to_diffusers": equal, "random_weights": True,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0 if all(all(v.values()) for v in equal.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
