@@ -5,6 +5,7 @@ One process, one set of weights (default: the flux-dev-random preset, FLUX.1-dev
   text        lossless text-to-image (`steps` steps)
   lora        the same with one LoRA adapter active (rank `--lora-rank` on q/v/out, FF down and the single blocks'
               MLP / output projections; PEFT layers through diffusers' loader)
+  lora_fused  the adapter fused into the weights (`fuse_lora`, a pool serving one adapter); timed after the others
   img2img     an edit at `--strength` (runs strength x steps denoising steps, plus the VAE encode)
   inpaint     the same with a mask
 Each variant's last image is compared with stock diffusers (the reference pipeline with diffusers' transformer, the
@@ -110,8 +111,26 @@ def main(argv: list[str] | None = None) -> int:
                        "png_md5": md5(ref_pngs[0]) == md5(last[name].png)}
         print(f"  {name}: equal to stock diffusers {equal[name]}", flush=True)
 
+    # A pool serving one adapter fuses it (fuse_lora): timed after the others (the fusion cannot be undone here).
+    ours.fuse_lora("adapter")
+    times["lora_fused"] = []
+    for i in range(args.warmup + args.repeats):
+        t, [last["lora_fused"]] = timed(lambda: ours.generate([requests["text"]]))
+        if i >= args.warmup:
+            times["lora_fused"].append(t)
+    reference.enable_lora()
+    reference.set_adapters(["adapter"], [1.0])
+    reference.fuse_lora(components=["transformer"], lora_scale=1.0, adapter_names=["adapter"])
+    reference.unload_lora_weights()
+    ref_latents, ref_pngs = run_flux_pipeline(reference, [requests["text"]])
+    equal["lora_fused"] = {"latents": bool(torch.equal(ref_latents[0], last["lora_fused"].latents)),
+                           "png_md5": md5(ref_pngs[0]) == md5(last["lora_fused"].png)}
+    print(f"  lora_fused: {statistics.median(times['lora_fused']):.3f}s, equal to stock diffusers fused "
+          f"{equal['lora_fused']}", flush=True)
+
     med = {k: statistics.median(v) for k, v in times.items()}
-    denoise = {"text": args.steps, "lora": args.steps, "img2img": requests["img2img"].denoising_steps,
+    denoise = {"text": args.steps, "lora": args.steps, "lora_fused": args.steps,
+               "img2img": requests["img2img"].denoising_steps,
                "inpaint": requests["inpaint"].denoising_steps}
     result = {
         "command": command, "model": args.model, "size": args.size, "steps": args.steps, "strength": args.strength,
@@ -121,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         # whole call / denoising steps: includes the text encoders and the VAE, spread over the steps
         "ms_per_denoising_step": {k: 1000 * med[k] / denoise[k] for k in med},
         "lora_overhead": med["lora"] / med["text"] - 1.0,
+        "lora_fused_overhead": med["lora_fused"] / med["text"] - 1.0,  # timed after the others, not interleaved
         "equal_to_diffusers": equal, "random_weights": True,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -132,6 +132,10 @@ class AppArgs:
     # LoRA loader reads). A request picks some by name with scales (`"lora": [{"name": ..., "scale": ...}]`).
     # Not with tp > 1 or compile yet; the high pool then keeps its linears unconverted (no fp8 / fused projections).
     loras: dict[str, str] = field(default_factory=dict)
+    # With exactly one adapter in `loras`: fuse it into the weights once per replica (scale 1). The adapter is then
+    # part of the model: every image uses it, requests name no adapter, a step costs what the base model's does,
+    # and the high pool converts (fp8 / fused projections) as without adapters.
+    fuse_lora: bool = False
     limits: Limits = field(default_factory=Limits)
     pools: dict[str, PoolArgs] = field(
         default_factory=lambda: {"lossless": PoolArgs(batch_invariant=True),
@@ -155,7 +159,7 @@ class AppArgs:
             # The high pool's converted form (it met the quality bar) is on by default where the pool's other
             # settings admit it (tp 1, not compiled, no LoRAs); asked for explicitly elsewhere, it is an error below.
             convert = (q == "high" and given.get("tp", 1) == 1 and not given.get("compile", False)
-                       and not raw.get("loras"))
+                       and (not raw.get("loras") or bool(raw.get("fuse_lora"))))
             p = {"batch_invariant": q == "lossless", "fused_projections": convert, "fp8": convert, **given}
             _reject_unknown(p, PoolArgs, f"args.pools.{q}")
             pool = PoolArgs(**p)
@@ -174,7 +178,7 @@ class AppArgs:
             _check_cuda_graphs(pool, q)
             _check_step_cache(pool, q)
             pools[q] = pool
-        _check_loras(raw.get("loras"), pools)
+        _check_loras(raw.get("loras"), pools, raw.get("fuse_lora", False))
         args = AppArgs(limits=Limits(**limits_raw), pools=pools, **raw)
         for q, pool in pools.items():
             if pool.cuda_graphs and not str(args.device).startswith("cuda"):
@@ -289,7 +293,11 @@ def _check_cuda_graphs(pool: PoolArgs, name: str) -> None:
 _LORA_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-def _check_loras(loras: Any, pools: dict[str, PoolArgs]) -> None:
+def _check_loras(loras: Any, pools: dict[str, PoolArgs], fuse: Any = False) -> None:
+    if not isinstance(fuse, bool):
+        raise ValueError(f"args.fuse_lora must be true or false, got {fuse!r}")
+    if fuse and (not isinstance(loras, dict) or len(loras) != 1):
+        raise ValueError(f"args.fuse_lora needs exactly one adapter in args.loras, got {loras!r}")
     if loras is None:
         return
     if not isinstance(loras, dict):
@@ -306,9 +314,9 @@ def _check_loras(loras: Any, pools: dict[str, PoolArgs]) -> None:
             raise ValueError(f"args.loras is not supported with tp > 1 yet (pool {q} has tp={pool.tp})")
         if pool.compile:
             raise ValueError(f"args.loras is not supported with compile yet (pool {q})")
-        if pool.fp8 or pool.fused_projections:
+        if (pool.fp8 or pool.fused_projections) and not fuse:
             raise ValueError(f"args.loras: pool {q} has fp8 / fused_projections on, which convert the linears the "
-                             "adapters wrap; turn them off for a deployment that serves LoRAs")
+                             "adapters wrap; turn them off for a deployment that serves LoRAs, or fuse its one adapter (fuse_lora)")
 
 
 def _check_step_cache(pool: PoolArgs, name: str) -> None:

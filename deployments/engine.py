@@ -83,6 +83,9 @@ class LocalEngine:
         self.pipe.high_step_cache = pool_args.step_cache_threshold
         if args.loras:
             self.pipe.load_loras(args.loras)
+            if args.fuse_lora:
+                [name] = args.loras
+                self.pipe.fuse_lora(name)
         self.high_form = self._convert_for_high(pool_args)
         if pool_args.compile:
             self.warm_up_compile()

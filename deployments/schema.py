@@ -7,6 +7,7 @@ so they can come from serve_config.yaml.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass
@@ -200,6 +201,9 @@ def _check_delivery(req: ImageRequest, args: AppArgs) -> None:
 def _loras(refs: list[LoraRef], args: AppArgs) -> tuple[tuple[str, float], ...]:
     """The request's adapters as (name, scale) pairs sorted by name (one batch key per set, whatever the order)."""
     lim = args.limits
+    if refs and args.fuse_lora:
+        raise BadRequest("lora", f"adapter {next(iter(args.loras))!r} is fused into this deployment's weights: every "
+                                 "image uses it, and a request names no adapter")
     if len(refs) > lim.max_loras:
         raise BadRequest("lora", f"at most {lim.max_loras} LoRA adapters per request, got {len(refs)}")
     seen: set[str] = set()
@@ -224,6 +228,11 @@ _FORM_BOOLS = {"true": True, "false": False, "1": True, "0": False}
 
 
 def _form_value(name: str, value: str) -> Any:
+    if name == "lora":  # a JSON list in a form field: [{"name": "ink", "scale": 0.8}]
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise BadRequest(name, f'lora must be a JSON list like [{{"name": "ink", "scale": 0.8}}], got {value!r}') from None
     if name == "stream":
         if value.strip().lower() not in _FORM_BOOLS:
             raise BadRequest(name, f"{name} must be true or false, got {value!r}")
@@ -247,8 +256,6 @@ def validate_edit(fields: dict[str, str], files: dict[str, bytes], args: AppArgs
 
     fields = dict(fields)
     strength_text = fields.pop("strength", None)
-    if "lora" in fields:
-        raise BadRequest("lora", "lora is not accepted by the edits endpoint yet")
     known = set(ImageRequest.model_fields)
     unknown = sorted(set(fields) - known)
     if unknown:

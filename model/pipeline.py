@@ -181,6 +181,7 @@ class FluxServePipeline:
         self._step_graphs: StepGraphs | None = None
         # LoRA adapters loaded once (load_loras): name -> file; a batch activates the ones its requests name.
         self.loras: dict[str, str] = {}
+        self.fused_lora: tuple[str, float] | None = None  # (name, scale) fused into the weights by fuse_lora
         # "high" batches only: First-Block-Cache threshold (not bit-exact); None: every step computed.
         self.high_step_cache: float | None = None
         # The transformer's high-tier lifetime form (convert_for_high): then it serves "high" batches only.
@@ -294,6 +295,22 @@ class FluxServePipeline:
                 self.loras[name] = str(path)
             if self.loras:
                 self.pipe.disable_lora()
+
+    def fuse_lora(self, name: str, scale: float = 1.0) -> None:
+        """Fuse one loaded adapter into the weights for good (diffusers' fuse_lora, then unload_lora_weights): no
+        adapter layers remain, so a step costs what the base model's does, and the high-tier conversion may follow.
+        The adapter is then part of the model: batches name no adapters."""
+        if name not in self.loras:
+            raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.loras)}")
+        with self._lock:
+            self.pipe.enable_lora()
+            self.pipe.set_adapters([name], [float(scale)])
+            self.pipe.fuse_lora(components=["transformer"], lora_scale=1.0, adapter_names=[name])
+            self.pipe.unload_lora_weights()
+            self.loras = {}
+            self.fused_lora = (name, float(scale))
+            if self._step_graphs is not None:
+                self._step_graphs.reset()
 
     def _activate_loras(self, loras: tuple[tuple[str, float], ...]) -> None:
         unknown = [name for name, _ in loras if name not in self.loras]

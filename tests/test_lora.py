@@ -110,12 +110,12 @@ def test_adapter_sets_never_share_a_batch() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _validate(body: dict, loras: dict | None = None):
+def _validate(body: dict, loras: dict | None = None, **raw):
     pytest.importorskip("pydantic")
     from deployments.schema import ImageRequest, validate
 
     args = AppArgs.parse({"loras": loras if loras is not None else {"ink": "/x/ink.safetensors",
-                                                                      "sun": "/x/sun.safetensors"}})
+                                                                      "sun": "/x/sun.safetensors"}, **raw})
     return validate(ImageRequest(**{"prompt": "a fox", **body}), args, args.model)
 
 
@@ -163,6 +163,44 @@ def test_serving_adapters_keeps_the_high_pool_unconverted_by_default() -> None:
     assert AppArgs.parse(None).pools["high"].fp8  # without adapters: converted
 
 
+def test_a_fused_adapter_is_byte_identical_to_stock_diffusers_fused(tiny_path: Path,
+                                                                  lora_files: dict[str, str]) -> None:
+    """fuse_lora (a deployment serving one adapter): the adapter merged into the weights by diffusers' fuse_lora,
+    its layers unloaded; lossless equals stock diffusers doing the same, differs from the base model, and the
+    high-tier conversion may follow."""
+    ours = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    ref = diffusers_reference(ours)
+    base = ours.generate([_req()])[0]
+    ours.load_loras({"ink": lora_files["ink"]})
+    unfused = ours.generate([_req((("ink", 1.0),))])[0]
+    ours.fuse_lora("ink")
+    assert ours.loras == {} and ours.fused_lora == ("ink", 1.0)
+    assert not any("lora" in n for n, _ in ours.transformer.named_parameters())  # no adapter layers remain
+    ref.load_lora_weights(lora_files["ink"], adapter_name="ink")
+    ref.fuse_lora(components=["transformer"], lora_scale=1.0, adapter_names=["ink"])
+    ref.unload_lora_weights()
+    got = ours.generate([_req()])[0]
+    lat, png = run_flux_pipeline(ref, [_req()])
+    assert torch.equal(got.latents, lat[0]) and got.png == png[0]
+    assert not torch.equal(got.latents, base.latents)
+    assert (got.latents - unfused.latents).abs().max() < 1e-3  # merged weights: the same adapter, rounded once
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        ours.fuse_lora("ink")
+    ours.convert_for_high(fused_projections=True)
+    assert ours.generate([_req(quality="high")])[0].png
+
+
+def test_fuse_lora_config_and_requests() -> None:
+    args = AppArgs.parse({"loras": {"ink": "/x"}, "fuse_lora": True})
+    assert args.pools["high"].fused_projections and args.pools["high"].fp8  # converted as without adapters
+    with pytest.raises(BadRequest, match="'ink' is fused into this deployment's weights"):
+        _validate({"lora": [{"name": "ink"}]}, {"ink": "/x"}, fuse_lora=True)
+    assert _validate({}, {"ink": "/x"}, fuse_lora=True).jobs[0].loras == ()
+    for raw in ({"loras": {"ink": "/x", "sun": "/y"}, "fuse_lora": True}, {"fuse_lora": True}):
+        with pytest.raises(ValueError, match="exactly one adapter"):
+            AppArgs.parse(raw)
+
+
 _ENGINE_SCRIPT = """
 import sys
 from deployments.config import AppArgs
@@ -172,6 +210,9 @@ for pool in ("lossless", "high"):
     engine = LocalEngine(args, pool)
     assert engine.pipe.loras == {"ink": sys.argv[2]}, engine.pipe.loras
     assert engine.stats()["high_form"] is None
+fused = LocalEngine(AppArgs.parse({"model": sys.argv[1], "loras": {"ink": sys.argv[2]}, "fuse_lora": True}), "high")
+assert fused.pipe.fused_lora == ("ink", 1.0) and fused.pipe.loras == {}
+assert fused.stats()["high_form"]["fused_projections"]  # fp8 is refused on the CPU
 print("engine loras ok")
 """
 
@@ -181,3 +222,26 @@ def test_each_replica_loads_the_configured_adapters_at_start(tiny_path: Path, lo
                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
                           env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     assert done.returncode == 0 and "engine loras ok" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_an_edit_with_an_adapter_is_byte_identical_to_stock_diffusers(tiny_path: Path,
+                                                                      lora_files: dict[str, str]) -> None:
+    """Adapters apply to edits (the edit pipelines share the transformer); the form field is a JSON list."""
+    from deployments.schema import validate_edit
+    from tests._inputs import random_png
+
+    ours = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    ref = diffusers_reference(ours)
+    ours.load_loras({"ink": lora_files["ink"]})
+    ref.load_lora_weights(lora_files["ink"], adapter_name="ink")
+    ref.set_adapters(["ink"], [0.7])
+    image = random_png(1)
+    args = AppArgs.parse({"loras": {"ink": lora_files["ink"]}})
+    [job] = validate_edit({"prompt": "a red fox", "lora": '[{"name": "ink", "scale": 0.7}]', "steps": "2",
+                           "seed": "5"}, {"image": image}, args, "tiny").jobs
+    assert job.loras == (("ink", 0.7),) and job.image == image
+    got = ours.generate([job])[0]
+    lat, png = run_flux_pipeline(ref, [job])
+    assert torch.equal(got.latents, lat[0]) and got.png == png[0]
+    with pytest.raises(BadRequest, match="lora must be a JSON list"):
+        validate_edit({"prompt": "a", "lora": "ink"}, {"image": image}, args, "tiny")
