@@ -11,9 +11,19 @@ them stays cheap.
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One Ray token auth setting for the whole session, set before anything imports ray: Ray reads RAY_AUTH_MODE and
+    # RAY_AUTH_TOKEN once per process, so a test file that imports ray early would otherwise pin "disabled" (or
+    # another token) for every Ray the later tests start in this process.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def _cuda_available() -> bool:

@@ -80,7 +80,8 @@ def _wait(predicate, timeout_s: float, what: str, every_s: float = 0.5):
 def two_nodes(tiny_path: Path, fluxserve_cache: Path):
     root = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_TMPDIR": str(root), "FLUXSERVE_CACHE": str(fluxserve_cache),
+           "RAY_AUTH_TOKEN": os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32), "RAY_TMPDIR": str(root),
+           "FLUXSERVE_CACHE": str(fluxserve_cache),
            # notice a dead node within seconds, not the default ~30 s
            "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
            "RAY_health_check_initial_delay_ms": "1000",

@@ -18,7 +18,6 @@ import io
 import json
 import os
 import threading
-import secrets
 import shutil
 import signal
 import socket
@@ -55,7 +54,7 @@ def _ray_env(tmp_root: str) -> dict[str, str]:
     return {
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "RAY_AUTH_TOKEN": os.environ["RAY_AUTH_TOKEN"],  # the session's (conftest): Ray reads it once per process
         "RAY_TMPDIR": tmp_root,
         "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
         "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
