@@ -25,31 +25,18 @@ import shlex
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.e2e import timed  # noqa: E402
 from model.loading import diffusers_reference, load_pipeline  # noqa: E402
 from model.pipeline import GenerationRequest, md5, run_flux_pipeline  # noqa: E402
 from tests._inputs import random_png, write_random_lora  # noqa: E402
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    _sync()
-    t0 = time.perf_counter()
-    out = fn()
-    _sync()
-    return time.perf_counter() - t0, out
 
 
 def main(argv: list[str] | None = None) -> int:
