@@ -9,7 +9,6 @@ cooperative cancellation between steps, and deterministic PNG bytes.
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import threading
 import time
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from model import faults
 from model.preview import PreviewSink, previewer_of
-from model.request import GenerationRequest, Quality, decode_image, validate_batch
+from model.request import GenerationRequest, Quality, decode_image, png_bytes, validate_batch
 from model.tiers import TierPlan, applied_tier, plan_tier
 
 if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request types without needing torch
@@ -49,13 +48,6 @@ class GenerationResult:
 
 class GenerationCancelled(RuntimeError):
     """`should_stop()` returned True between two denoising steps."""
-
-
-def png_bytes(image: Any) -> bytes:
-    """PNG encoding of a PIL image with no metadata (no time, no text chunks): equal pixels give equal bytes."""
-    buf = io.BytesIO()
-    image.save(buf, format="PNG", compress_level=6)
-    return buf.getvalue()
 
 
 def md5(data: bytes | torch.Tensor) -> str:

@@ -102,7 +102,7 @@ class LatentPreviewer:
         import torch
         from PIL import Image
 
-        from model.pipeline import png_bytes
+        from model.request import png_bytes
 
         with torch.no_grad():
             x = packed.float()

@@ -149,3 +149,10 @@ def decode_image(data: bytes, what: str = "image") -> "PIL.Image.Image":
             return im.convert("RGB")
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
         raise ValueError(f"{what} is not a readable image ({exc})") from None
+
+
+def png_bytes(image: "PIL.Image.Image") -> bytes:
+    """PNG encoding of a PIL image with no metadata (no time, no text chunks): equal pixels give equal bytes."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", compress_level=6)
+    return buf.getvalue()
