@@ -37,12 +37,13 @@ def corpus() -> list[str]:
     return lines
 
 
-def build_clip_tokenizer(num_merges: int = 300, model_max_length: int = 77) -> CLIPTokenizer:
-    """A CLIPTokenizer with a byte-level BPE vocabulary learned in code from `corpus()`."""
+def build_clip_tokenizer(num_merges: int = 300, model_max_length: int = 77,
+                         lines: list[str] | None = None) -> CLIPTokenizer:
+    """A CLIPTokenizer with a byte-level BPE vocabulary learned in code from `lines` (default `corpus()`)."""
     probe = CLIPTokenizer()  # empty vocab: only borrowed for CLIP's own normalizer and pre-tokenizer
     backend = probe.backend_tokenizer
     words: Counter[tuple[str, ...]] = Counter()
-    for line in corpus():
+    for line in lines if lines is not None else corpus():
         for piece, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(line)):
             symbols = list(piece)
             symbols[-1] += "</w>"
@@ -88,13 +89,15 @@ def build_clip_tokenizer(num_merges: int = 300, model_max_length: int = 77) -> C
         return CLIPTokenizer(vocab=vocab, merges=[f"{a} {b}" for a, b in merges], model_max_length=model_max_length)
 
 
-def build_t5_tokenizer(vocab_size: int = 400, model_max_length: int = 512) -> T5TokenizerFast:
-    """A T5 tokenizer whose unigram vocabulary is a sentencepiece model trained in-process on `corpus()`."""
+def build_t5_tokenizer(vocab_size: int = 400, model_max_length: int = 512,
+                       lines: list[str] | None = None) -> T5TokenizerFast:
+    """A T5 tokenizer whose unigram vocabulary is a sentencepiece model trained in-process on `lines` (default
+    `corpus()`)."""
     import sentencepiece as spm
 
     proto = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus()),
+        sentence_iterator=iter(lines if lines is not None else corpus()),
         model_writer=proto,
         model_type="unigram",
         vocab_size=vocab_size,
