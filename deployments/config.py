@@ -314,6 +314,10 @@ def _check_loras(loras: Any, pools: dict[str, PoolArgs], fuse: Any = False) -> N
             raise ValueError(f"args.loras is not supported with tp > 1 yet (pool {q} has tp={pool.tp})")
         if pool.compile:
             raise ValueError(f"args.loras is not supported with compile yet (pool {q})")
+        if pool.cuda_graphs and not fuse:
+            raise ValueError(f"args.loras: pool {q} has cuda_graphs on; a captured step would replay the adapter set "
+                             "it was captured with. Turn cuda_graphs off for per-request adapters, or fuse the one "
+                             "adapter (fuse_lora)")
         if (pool.fp8 or pool.fused_projections) and not fuse:
             raise ValueError(f"args.loras: pool {q} has fp8 / fused_projections on, which convert the linears the "
                              "adapters wrap; turn them off for a deployment that serves LoRAs, or fuse its one adapter (fuse_lora)")

@@ -151,6 +151,7 @@ def test_a_server_without_adapters_says_so() -> None:
     ({"loras": {"ink": "/x"}, "pools": {"high": {"tp": 2}}}, "tp > 1"),
     ({"loras": {"ink": "/x"}, "pools": {"high": {"compile": True}}}, "compile"),
     ({"loras": {"ink": "/x"}, "pools": {"high": {"fp8": True}}}, "turn them off"),
+    ({"loras": {"ink": "/x"}, "device": "cuda", "pools": {"lossless": {"cuda_graphs": True}}}, "cuda_graphs"),
 ])
 def test_bad_lora_configs_are_errors(raw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -191,6 +192,9 @@ def test_a_fused_adapter_is_byte_identical_to_stock_diffusers_fused(tiny_path: P
 
 
 def test_fuse_lora_config_and_requests() -> None:
+    # fused: plain weights again, so CUDA graphs are allowed
+    AppArgs.parse({"loras": {"ink": "/x"}, "fuse_lora": True, "device": "cuda",
+                   "pools": {"lossless": {"cuda_graphs": True}}})
     args = AppArgs.parse({"loras": {"ink": "/x"}, "fuse_lora": True})
     assert args.pools["high"].fused_projections and args.pools["high"].fp8  # converted as without adapters
     with pytest.raises(BadRequest, match="'ink' is fused into this deployment's weights"):
