@@ -62,6 +62,13 @@ def wait_ready(base: str, child: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"the app did not become ready within {timeout_s:.0f} s")
 
 
+def sigint_as_default() -> None:
+    """preexec_fn for a `serve run` child: SIGINT back to its default disposition. A process started in the
+    background by a non-interactive shell inherits SIGINT ignored, and Python then never raises
+    KeyboardInterrupt, so `serve run` would ignore the SIGINT that asks it to shut down."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def stop(child: subprocess.Popen) -> None:
     """SIGINT lets `serve run` shut Serve and Ray down cleanly (~8 s); kill only if it hangs."""
     if child.poll() is None:
@@ -93,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, **ray_env()}
     Path(env["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
     print(f"starting: serve run {args.config}  (app on {base})", flush=True)
-    child = subprocess.Popen([serve_bin, "run", args.config], env=env)
+    child = subprocess.Popen([serve_bin, "run", args.config], env=env, preexec_fn=sigint_as_default)
     try:
         t0 = time.monotonic()
         wait_ready(base, child, args.ready_timeout)
