@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import ray
 from ray import serve
 
 from deployments.config import AppArgs
@@ -35,12 +36,6 @@ class _Ticket:
     # Set by generate() when its caller gave up (ingress timeout, client gone): the batch handler's
     # should_stop() stops a group once every ticket in it is cancelled.
     cancelled: threading.Event = field(default_factory=threading.Event)
-
-
-def _node_id() -> str:
-    import ray
-
-    return ray.get_runtime_context().get_node_id()
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -186,15 +181,13 @@ class FluxReplica:
             "images": self._images,
             "out_of_memory": self._out_of_memory,
             "replica_id": serve.get_replica_context().replica_id.unique_id,
-            "node_id": _node_id(),
+            "node_id": ray.get_runtime_context().get_node_id(),
             # captures / replays / eager fallbacks of the CUDA-graph cache (None: graphs off)
             **self.engine.stats(),
         }
 
     async def actor_names(self) -> dict[str, Any]:
         """Ray actor names of this replica and its TP ranks (operators and fault-injection tests)."""
-        import ray
-
         ctx = ray.get_runtime_context()
         return {
             "namespace": ctx.namespace,

@@ -1,7 +1,7 @@
 """Prompt adherence of a pipeline on the toy world: generated images scored by the scene checker.
 
 The held-out prompts are captions of the grammar drawn with their own seed and never among the training captions
-(`model.toy.train` draws those from `TRAIN_SEED`); each prompt has a fixed image seed.
+(`model.toy.train.training_scenes` with its default run seed); each prompt has a fixed image seed.
 """
 
 from __future__ import annotations
@@ -15,15 +15,13 @@ import numpy as np
 
 from model.toy.checker import score
 from model.toy.scenes import caption, sample_scene
+from model.toy.train import TRAIN_SCENES, training_scenes
 
-TRAIN_SEED = 2  # model.toy.train's scene seed (seed + 2 with its default seed 0)
-TRAIN_SCENES = 60000
 HELD_OUT_SEED = 12345
 
 
-def training_captions(n: int = TRAIN_SCENES, seed: int = TRAIN_SEED) -> set[str]:
-    rng = random.Random(seed)
-    return {caption(sample_scene(rng)) for _ in range(n)}
+def training_captions(n: int = TRAIN_SCENES, seed: int = 0) -> set[str]:
+    return {caption(s) for s in training_scenes(n, seed)}
 
 
 def held_out_prompts(n: int, exclude: set[str] | None = None, seed: int = HELD_OUT_SEED) -> list[str]:

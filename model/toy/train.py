@@ -43,6 +43,14 @@ T5 = dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, relative_att
           relative_attention_max_distance=64)
 VAE = dict(block_out_channels=(16, 32, 64, 64), layers_per_block=1, norm_num_groups=16, sample_size=SIZE)
 SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
+TRAIN_SCENES = 60000  # default size of the captioned training set
+_SCENE_SEED_OFFSET = 2  # the training scenes' stream: random.Random(seed + 2), apart from the VAE's and the model's
+
+
+def training_scenes(n: int = TRAIN_SCENES, seed: int = 0) -> list:
+    """The captioned scenes the transformer trains on (run seed `seed`); held-out prompts avoid their captions."""
+    rng = random.Random(seed + _SCENE_SEED_OFFSET)
+    return [sample_scene(rng) for _ in range(n)]
 
 
 def toy_corpus(n: int = 3000, seed: int = 1) -> list[str]:
@@ -199,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vae-batch", type=int, default=32)
     ap.add_argument("--vae-seconds", type=float, default=90.0, help="stop the VAE earlier than --vae-steps")
     ap.add_argument("--vae-stats-scenes", type=int, default=256)
-    ap.add_argument("--scenes", type=int, default=60000)
+    ap.add_argument("--scenes", type=int, default=TRAIN_SCENES)
     ap.add_argument("--transformer-seconds", type=float, default=270.0)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--report", default=None, help="JSON with the training figures (default: <out>/train.json)")
@@ -211,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(a.seed)
     text = build_text(a.device)
     vae, report = train_vae(a.device, a.vae_steps, a.vae_batch, a.seed + 1, a.vae_seconds, a.vae_stats_scenes)
-    rng = random.Random(a.seed + 2)
-    scenes = [sample_scene(rng) for _ in range(a.scenes)]
+    scenes = training_scenes(a.scenes, a.seed)
     t0 = time.time()
     seqs, pooled = encode_text(text, [caption(s) for s in scenes], a.device)
     latents = encode_images(vae, scenes, a.device)
