@@ -86,28 +86,40 @@ def parse_caption(text: str) -> Scene:
 
 
 def render_batch(scenes: list[Scene], size: int = 256, device: str | torch.device = "cpu") -> torch.Tensor:
-    """Scenes drawn as float RGB in [-1, 1], [B, 3, size, size] (what the VAE and the training see)."""
+    """Scenes drawn as float RGB in [-1, 1], [B, 3, size, size] (what the VAE and the training see).
+
+    Vectorised over the batch: shape slot k of every scene is drawn at once (scenes with fewer shapes leave the
+    slot's mask empty). Each scalar is rounded to float32 once, as a Python number is in a tensor op, so a scene
+    draws the same pixels whatever batch it is in."""
+    b, slots = len(scenes), max((len(s.shapes) for s in scenes), default=0)
     coords = (torch.arange(size, device=device, dtype=torch.float32) + 0.5) / size
-    yy, xx = torch.meshgrid(coords, coords, indexing="ij")
-    out = torch.empty(len(scenes), 3, size, size, device=device)
-    for b, scene in enumerate(scenes):
-        img = torch.tensor(BACKGROUNDS[scene.background], device=device, dtype=torch.float32)[:, None, None]
-        img = img.expand(3, size, size).clone()
-        for s in scene.shapes:
-            row, col = PLACES[s.place]
-            cy, cx, r = GRID[row], GRID[col], RADIUS[s.size]
-            dy, dx = yy - cy, xx - cx
-            if s.kind == "circle":
-                mask = dy * dy + dx * dx <= r * r
-            elif s.kind == "square":
-                mask = (dy.abs() <= r * 0.886) & (dx.abs() <= r * 0.886)  # the circle's area
-            else:  # upward triangle in the box [-r, r]^2: apex at the top
-                h = (dy + r) / (2 * r)  # 0 at the apex, 1 at the base
-                mask = (h >= 0) & (h <= 1) & (dx.abs() <= r * h)
-            colour = torch.tensor(SHAPE_COLOURS[s.colour], device=device, dtype=torch.float32)[:, None, None]
-            img = torch.where(mask, colour, img)
-        out[b] = img
-    return out / 127.5 - 1.0
+    yy, xx = (c[None] for c in torch.meshgrid(coords, coords, indexing="ij"))
+    img = torch.tensor([BACKGROUNDS[s.background] for s in scenes], device=device, dtype=torch.float32)
+    img = img[:, :, None, None].expand(b, 3, size, size).clone()
+    kinds = {k: i for i, k in enumerate(KINDS)}
+    for k in range(slots):
+        rows = [(s.shapes[k] if k < len(s.shapes) else None) for s in scenes]
+        # per scene: cy, cx, r, r*r, r*0.886, 2r, kind index, present
+        p = [(GRID[PLACES[t.place][0]], GRID[PLACES[t.place][1]], RADIUS[t.size], RADIUS[t.size] ** 2,
+              RADIUS[t.size] * 0.886, 2 * RADIUS[t.size], kinds[t.kind], 1) if t else (0, 0, 1, 1, 1, 2, 0, 0)
+             for t in rows]
+        cy, cx, r, r2, half, r2x, kind, present = (
+            torch.tensor(col, device=device, dtype=torch.float32)[:, None, None] for col in zip(*p))
+        dy, dx = yy - cy, xx - cx
+        mask = torch.zeros(b, size, size, dtype=torch.bool, device=device)
+        for i in {kinds[t.kind] for t in rows if t}:  # only the kinds this slot draws
+            if i == 0:
+                m = dy * dy + dx * dx <= r2
+            elif i == 1:
+                m = (dy.abs() <= half) & (dx.abs() <= half)  # the circle's area
+            else:
+                h = (dy + r) / r2x  # upward triangle in the box [-r, r]^2: 0 at the apex, 1 at the base
+                m = (h >= 0) & (h <= 1) & (dx.abs() <= r * h)
+            mask |= m & (kind == i) & (present > 0)
+        colour = torch.tensor([SHAPE_COLOURS[t.colour] if t else (0, 0, 0) for t in rows], device=device,
+                              dtype=torch.float32)[:, :, None, None]
+        img = torch.where(mask[:, None], colour, img)
+    return img / 127.5 - 1.0
 
 
 def render(scene: Scene, size: int = 256) -> "torch.Tensor":

@@ -2,20 +2,24 @@
 
     python -m model.toy.train --out model/toy/weights            # on the H200 (the timings in the results file)
 
-1. Tokenizers built in code from captions of the grammar. CLIP-L / T5 layouts at toy width, random and frozen:
-   each word still reaches the transformer as its own vector, through FluxPipeline's real text path.
+1. Tokenizers built in code from captions of the grammar (one token per word). CLIP-L / T5 layouts at toy width.
 2. The FLUX VAE layout (16 latent channels, 8x) trained as an autoencoder on rendered scenes. Its
    scaling/shift factors are then set from the latents' statistics.
 3. A small FLUX.1 transformer (diffusers' FluxTransformer2DModel, so diffusers' parameter names; 256x256 images:
    256 image tokens) trained with rectified flow on the VAE latents of captioned scenes (velocity target
-   noise - x0, sigma ~ logit-normal), for a fixed wall-time budget.
-4. The pipeline saved in diffusers format (float16 weights), loaded later by `model.loading.load_pipeline` like any
-   FLUX.1 folder.
+   noise - x0, sigma ~ logit-normal), for a fixed wall-time budget, *together with both text encoders*, fed
+   exactly as FluxPipeline.encode_prompt feeds them. A frozen random T5 turns a caption into a bag of words (the
+   vector of "red" hardly depends on which shape it names), and FLUX gives text tokens no position, so the
+   transformer could not tell which colour goes with which shape. A small probe that reads the scene back from
+   T5's tokens (per grid cell: colour, kind, size; and the background) adds an auxiliary loss on the T5, so the
+   encoder learns the binding early; the probe is not part of the pipeline.
+4. The pipeline saved in diffusers format (float16 weights, the exponential moving average of the trained ones),
+   loaded later by `model.loading.load_pipeline` like any FLUX.1 folder.
 
 Seeded (scenes, initial weights, batches). A GPU run reproduces the same *distribution* of results, not the same
-bits: the transformer trains for a time budget, and GPU kernels do not promise run-to-run bitwise equality. The
-first run (bench/results/toy-train-h200.md) is too short to follow its captions. The transformer trains in fp32:
-bf16 autocast failed there in its first backward.
+bits: the transformer trains for a time budget, and GPU kernels do not promise run-to-run bitwise equality.
+Precision: bf16 autocast when a one-step probe in a child process passes, else fp32 with TF32 (the first run's
+bf16 backward failed with CUBLAS_STATUS_EXECUTION_FAILED; the probe records which attention backends work).
 """
 
 from __future__ import annotations
@@ -23,27 +27,33 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from model.toy.scenes import caption, render_batch, sample_scene
+from model.toy.scenes import BACKGROUNDS, KINDS, PLACES, SHAPE_COLOURS, SIZES, Scene, caption, render_batch, sample_scene
 
 SIZE = 256
 T5_TOKENS = 40
+CLIP_TOKENS = 77
 TRANSFORMER = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=2, num_single_layers=4,
                    attention_head_dim=32, num_attention_heads=6, joint_attention_dim=64, pooled_projection_dim=64,
                    guidance_embeds=False, axes_dims_rope=(8, 12, 12))
 CLIP = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, projection_dim=64)
-T5 = dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, relative_attention_num_buckets=16,
+# 32 buckets: relative offsets up to 8 (a whole shape phrase) are told apart exactly
+T5 = dict(d_model=64, d_ff=256, d_kv=16, num_heads=4, num_layers=3, relative_attention_num_buckets=32,
           relative_attention_max_distance=64)
 VAE = dict(block_out_channels=(16, 32, 64, 64), layers_per_block=1, norm_num_groups=16, sample_size=SIZE)
 SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
-TRAIN_SCENES = 60000  # default size of the captioned training set
+TRAIN_SCENES = 120000  # default size of the captioned training set
 _SCENE_SEED_OFFSET = 2  # the training scenes' stream: random.Random(seed + 2), apart from the VAE's and the model's
 
 
@@ -80,7 +90,7 @@ def build_text(device: str) -> dict[str, Any]:
     tokenizer = build_clip_tokenizer(num_merges=200, lines=lines)
     tokenizer_2 = toy_t5_tokenizer(lines)
     clip = CLIPTextModel(CLIPTextConfig(
-        **{"vocab_size": len(tokenizer), **CLIP}, max_position_embeddings=77, hidden_act="quick_gelu",
+        **{"vocab_size": len(tokenizer), **CLIP}, max_position_embeddings=CLIP_TOKENS, hidden_act="quick_gelu",
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
     t5 = T5EncoderModel(T5Config(
         **{"vocab_size": len(tokenizer_2), **T5}, feed_forward_proj="gated-gelu", dropout_rate=0.0,
@@ -88,6 +98,63 @@ def build_text(device: str) -> dict[str, Any]:
         eos_token_id=tokenizer_2.eos_token_id))
     return {"tokenizer": tokenizer, "tokenizer_2": tokenizer_2, "text_encoder": clip.to(device).eval(),
             "text_encoder_2": t5.to(device).eval()}
+
+
+def tokenize(text: dict[str, Any], captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(CLIP ids [N, 77], T5 ids [N, T5_TOKENS]), tokenized as FluxPipeline.encode_prompt does."""
+    clip = text["tokenizer"](captions, padding="max_length", max_length=CLIP_TOKENS, truncation=True,
+                             return_tensors="pt").input_ids
+    t5 = text["tokenizer_2"](captions, padding="max_length", max_length=T5_TOKENS, truncation=True,
+                             return_tensors="pt").input_ids
+    return clip, t5
+
+
+def encode_ids(text: dict[str, Any], clip_ids: torch.Tensor, t5_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T5 sequence embeddings, CLIP pooled embeddings) from token ids, the calls FluxPipeline.encode_prompt makes
+    (differentiable: the text encoders train through this)."""
+    seq = text["text_encoder_2"](t5_ids, output_hidden_states=False)[0]
+    pooled = text["text_encoder"](clip_ids, output_hidden_states=False).pooler_output
+    return seq, pooled
+
+
+class SceneProbe(nn.Module):
+    """Reads a scene back from T5's token outputs (training only): one learned query per grid cell says what is
+    there (nothing or a colour; its kind and size), one more says the background."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(len(PLACES) + 1, dim) * dim ** -0.5)
+        self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.colour = nn.Linear(dim, len(SHAPE_COLOURS) + 1)
+        self.kind, self.size = nn.Linear(dim, len(KINDS)), nn.Linear(dim, len(SIZES))
+        self.background = nn.Linear(dim, len(BACKGROUNDS))
+
+    def forward(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        att = torch.softmax(self.queries @ self.key(tokens).transpose(1, 2) / tokens.shape[-1] ** 0.5, dim=-1)
+        read = att @ self.value(tokens)  # [B, cells + 1, D]
+        cells = read[:, :-1]
+        return {"colour": self.colour(cells), "kind": self.kind(cells), "size": self.size(cells),
+                "background": self.background(read[:, -1])}
+
+
+def probe_targets(scenes: list[Scene]) -> dict[str, torch.Tensor]:
+    """Per scene and grid cell: colour index + 1 (0: empty), kind and size (-100 where empty); the background."""
+    places, colours, bgs = sorted(PLACES), sorted(SHAPE_COLOURS), sorted(BACKGROUNDS)
+    colour = torch.zeros(len(scenes), len(places), dtype=torch.long)
+    kind = torch.full((len(scenes), len(places)), -100, dtype=torch.long)
+    size = kind.clone()
+    for i, scene in enumerate(scenes):
+        for shape in scene.shapes:
+            c = places.index(shape.place)
+            colour[i, c] = colours.index(shape.colour) + 1
+            kind[i, c], size[i, c] = KINDS.index(shape.kind), SIZES.index(shape.size)
+    background = torch.tensor([bgs.index(s.background) for s in scenes])
+    return {"colour": colour, "kind": kind, "size": size, "background": background}
+
+
+def probe_loss(out: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    return sum(F.cross_entropy(out[k].float().flatten(0, -2), targets[k].flatten(), ignore_index=-100)
+               for k in ("colour", "kind", "size", "background"))
 
 
 def train_vae(device: str, steps: int, batch: int, seed: int, seconds: float = float("inf"),
@@ -116,8 +183,9 @@ def train_vae(device: str, steps: int, batch: int, seed: int, seconds: float = f
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        for g in opt.param_groups:
-            g["lr"] = 1e-3 * 0.5 * (1 + math.cos(math.pi * (step + 1) / steps))
+        for g in opt.param_groups:  # cosine over the steps or the time budget, whichever ends first
+            frac = max((step + 1) / steps, (time.time() - t0) / seconds)
+            g["lr"] = 1e-3 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
         if step % 200 == 0:
             print(f"vae step {step}: loss {loss.item():.4f} ({time.time() - t0:.0f} s)", flush=True)
     vae.eval()
@@ -132,70 +200,148 @@ def train_vae(device: str, steps: int, batch: int, seed: int, seconds: float = f
 
 
 @torch.no_grad()
-def encode_text(text: dict[str, Any], captions: list[str], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T5 sequence embeddings, CLIP pooled embeddings) exactly as FluxPipeline.encode_prompt makes them."""
-    from diffusers import FluxPipeline
-
-    pipe = FluxPipeline(scheduler=None, vae=None, transformer=None, **text)
-    seqs, pooled = [], []
-    for i in range(0, len(captions), 512):
-        p, pp, _ = pipe.encode_prompt(captions[i:i + 512], prompt_2=None, device=torch.device(device),
-                                      max_sequence_length=T5_TOKENS)
-        seqs.append(p.to(torch.bfloat16))
-        pooled.append(pp.to(torch.bfloat16))
-    return torch.cat(seqs), torch.cat(pooled)
-
-
-@torch.no_grad()
-def encode_images(vae: Any, scenes: list, device: str) -> torch.Tensor:
+def encode_images(vae: Any, scenes: list, device: str, chunk: int = 256) -> torch.Tensor:
     from diffusers import FluxPipeline
 
     out = []
-    for i in range(0, len(scenes), 256):
-        x = render_batch(scenes[i:i + 256], SIZE, device)
+    for i in range(0, len(scenes), chunk):
+        x = render_batch(scenes[i:i + chunk], SIZE, device)
         z = (vae.encode(x).latent_dist.mean - vae.config.shift_factor) * vae.config.scaling_factor
         out.append(FluxPipeline._pack_latents(z, z.shape[0], 16, SIZE // 8, SIZE // 8).to(torch.bfloat16))
     return torch.cat(out)
 
 
-def train_transformer(latents: torch.Tensor, seqs: torch.Tensor, pooled: torch.Tensor, device: str, seconds: float,
-                      batch: int, seed: int) -> tuple[Any, dict[str, float]]:
-    from diffusers import FluxPipeline, FluxTransformer2DModel
+def _attention_backends(name: str) -> Any:
+    """A context choosing SDPA backends for training: 'default' (torch's own choice) or 'flash' (flash, then
+    memory-efficient)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name == "default":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+
+
+class Trainee(nn.Module):
+    """Everything that trains in stage 3: the transformer, both text encoders and the T5 probe."""
+
+    def __init__(self, text: dict[str, Any]) -> None:
+        from diffusers import FluxTransformer2DModel
+
+        super().__init__()
+        self.transformer = FluxTransformer2DModel(**TRANSFORMER)
+        self.clip, self.t5 = text["text_encoder"], text["text_encoder_2"]
+        self.probe = SceneProbe(T5["d_model"])
+
+    def losses(self, x0: torch.Tensor, clip_ids: torch.Tensor, t5_ids: torch.Tensor, targets: dict[str, torch.Tensor],
+               noise: torch.Tensor, sigma: torch.Tensor, img_ids: torch.Tensor, txt_ids: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        seq, pooled = encode_ids({"text_encoder": self.clip, "text_encoder_2": self.t5}, clip_ids, t5_ids)
+        xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
+        pred = self.transformer(hidden_states=xt, encoder_hidden_states=seq, pooled_projections=pooled,
+                                timestep=sigma, img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]
+        return F.mse_loss(pred.float(), noise - x0), probe_loss(self.probe(seq), targets)
+
+
+def train_transformer(trainee: Trainee, latents: torch.Tensor, clip_ids: torch.Tensor, t5_ids: torch.Tensor,
+                      targets: dict[str, torch.Tensor], device: str, seconds: float, batch: int, seed: int,
+                      precision: str = "fp32", attention: str = "default", probe_weight: float = 0.1,
+                      ema_decay: float = 0.999, max_steps: int | None = None) -> dict[str, float]:
+    """Train `trainee` in place for `seconds` (or `max_steps`); its weights end as their moving average."""
+    from diffusers import FluxPipeline
 
     torch.manual_seed(seed)
     torch.backends.cuda.matmul.allow_tf32 = True
-    model = FluxTransformer2DModel(**TRANSFORMER).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.99), weight_decay=0.01)
+    trainee.to(device).train()
+    params = [p for p in trainee.parameters()]
+    ema = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.99), weight_decay=0.01)
     img_ids = FluxPipeline._prepare_latent_image_ids(1, SIZE // 16, SIZE // 16, device, torch.float32)
     txt_ids = torch.zeros(T5_TOKENS, 3, device=device)
     g = torch.Generator(device).manual_seed(seed)
-    n, t0, step, losses = latents.shape[0], time.time(), 0, []
+    n, t0, step, flow_hist, probe_hist = latents.shape[0], time.time(), 0, [], []
     warmup = 300
-    while time.time() - t0 < seconds:
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16")
+    while time.time() - t0 < seconds and (max_steps is None or step < max_steps):
         idx = torch.randint(0, n, (batch,), device=device, generator=g)
         x0 = latents[idx].float()
         noise = torch.randn(x0.shape, device=device, generator=g)
         sigma = torch.sigmoid(torch.randn(batch, device=device, generator=g))
-        xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
-        with torch.autocast("cuda", enabled=False):  # fp32 (TF32 matmuls): the model is small and launch-bound
-            pred = model(hidden_states=xt, encoder_hidden_states=seqs[idx].float(), pooled_projections=pooled[idx].float(),
-                         timestep=sigma, img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]
-        loss = F.mse_loss(pred.float(), noise - x0)
+        with autocast, _attention_backends(attention):
+            flow, probe = trainee.losses(x0, clip_ids[idx], t5_ids[idx], {k: v[idx] for k, v in targets.items()},
+                                         noise, sigma, img_ids, txt_ids)
+            loss = flow + probe_weight * probe
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        frac = min(1.0, (time.time() - t0) / seconds)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        frac = min(1.0, (time.time() - t0) / seconds) if max_steps is None else step / max_steps
         for grp in opt.param_groups:  # linear warm-up, then cosine over the time budget
             grp["lr"] = 6e-4 * min(1.0, (step + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
         opt.step()
-        losses.append(loss.item()) if step % 50 == 0 else None
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - min(ema_decay, (1 + step) / (10 + step)))
+        if step % 50 == 0:
+            flow_hist.append(flow.item())
+            probe_hist.append(probe.item())
         if step % 1000 == 0:
-            print(f"transformer step {step}: loss {loss.item():.4f} ({time.time() - t0:.0f} s)", flush=True)
+            print(f"transformer step {step}: flow {flow.item():.4f} probe {probe.item():.4f} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
         step += 1
-    model.eval()
-    return model, {"transformer_steps": step, "transformer_seconds": time.time() - t0,
-                   "transformer_final_loss": float(sum(losses[-20:]) / max(1, len(losses[-20:]))),
-                   "transformer_params": sum(p.numel() for p in model.parameters())}
+    with torch.no_grad():
+        for p, e in zip(params, ema):
+            p.copy_(e)
+    trainee.eval()
+
+    def tail(h: list[float]) -> float:
+        return float(sum(h[-20:]) / max(1, len(h[-20:])))
+
+    return {"transformer_steps": step, "transformer_seconds": time.time() - t0,
+            "transformer_final_loss": tail(flow_hist), "probe_final_loss": tail(probe_hist),
+            "transformer_params": sum(p.numel() for p in trainee.transformer.parameters()),
+            "precision": precision, "attention": attention}
+
+
+def probe_precision(attention: str, device: str = "cuda", batch: int = 256) -> None:
+    """One bf16 training step of the real shapes on random data (run in a child process by `choose_precision`)."""
+    torch.manual_seed(0)
+    trainee = Trainee(build_text(device))
+    scenes = [sample_scene(random.Random(i)) for i in range(batch)]
+    clip_ids, t5_ids = tokenize(build_text("cpu"), [caption(s) for s in scenes])
+    targets = {k: v.to(device) for k, v in probe_targets(scenes).items()}
+    latents = torch.randn(batch, (SIZE // 16) ** 2, 64, device=device, dtype=torch.bfloat16)
+    train_transformer(trainee, latents, clip_ids.to(device), t5_ids.to(device), targets, device, 60.0, batch, 0,
+                      precision="bf16", attention=attention, max_steps=3)
+    torch.cuda.synchronize()
+
+
+def choose_precision(device: str) -> tuple[str, str, dict[str, Any]]:
+    """(precision, attention backends, what each probe said): bf16 where a child-process probe passes."""
+    if not device.startswith("cuda"):
+        return "fp32", "default", {}
+    said: dict[str, Any] = {}
+    for attention in ("default", "flash"):
+        r = subprocess.run([sys.executable, "-m", "model.toy.train", "--probe-bf16", attention, "--device", device],
+                           capture_output=True, text=True, timeout=300, env=os.environ)
+        said[attention] = "ok" if r.returncode == 0 else (r.stderr.strip().splitlines() or ["failed"])[-1][:300]
+        print(f"bf16 probe ({attention} attention): {said[attention]}", flush=True)
+        if r.returncode == 0:
+            return "bf16", attention, said
+    return "fp32", "default", said
+
+
+def load_trained(folder: Path, device: str) -> tuple[dict[str, Any], Any, Any]:
+    """(text components, VAE, transformer) of a folder this script wrote, in float32 on `device`."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+    f32 = dict(torch_dtype=torch.float32)
+    text = {"tokenizer": AutoTokenizer.from_pretrained(folder / "tokenizer"),
+            "tokenizer_2": AutoTokenizer.from_pretrained(folder / "tokenizer_2"),
+            "text_encoder": CLIPTextModel.from_pretrained(folder / "text_encoder", **f32).to(device),
+            "text_encoder_2": T5EncoderModel.from_pretrained(folder / "text_encoder_2", **f32).to(device)}
+    vae = AutoencoderKL.from_pretrained(folder / "vae", **f32).to(device).eval()
+    return text, vae, FluxTransformer2DModel.from_pretrained(folder / "transformer", **f32)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,34 +355,58 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vae-stats-scenes", type=int, default=256)
     ap.add_argument("--scenes", type=int, default=TRAIN_SCENES)
     ap.add_argument("--transformer-seconds", type=float, default=270.0)
+    ap.add_argument("--transformer-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
+    ap.add_argument("--probe-weight", type=float, default=0.1)
+    ap.add_argument("--resume", default=None, help="a folder this script wrote: keep its VAE and tokenizers, and go "
+                    "on training its transformer and text encoders")
     ap.add_argument("--report", default=None, help="JSON with the training figures (default: <out>/train.json)")
+    ap.add_argument("--probe-bf16", choices=("default", "flash"), default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.probe_bf16:
+        probe_precision(a.probe_bf16, a.device)
+        return 0
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
     t_start = time.time()
     random.seed(a.seed)
     torch.manual_seed(a.seed)
-    text = build_text(a.device)
-    vae, report = train_vae(a.device, a.vae_steps, a.vae_batch, a.seed + 1, a.vae_seconds, a.vae_stats_scenes)
+    if a.precision == "auto":
+        precision, attention, probes = choose_precision(a.device)
+    else:
+        precision, attention, probes = a.precision, "flash" if a.precision == "bf16" else "default", {}
+    if a.resume:
+        text, vae, start = load_trained(Path(a.resume), a.device)
+        report: dict[str, Any] = {"resumed_from": a.resume}
+    else:
+        text, start = build_text(a.device), None
+        vae, report = train_vae(a.device, a.vae_steps, a.vae_batch, a.seed + 1, a.vae_seconds, a.vae_stats_scenes)
+    report["bf16_probes"] = probes
     scenes = training_scenes(a.scenes, a.seed)
     t0 = time.time()
-    seqs, pooled = encode_text(text, [caption(s) for s in scenes], a.device)
-    latents = encode_images(vae, scenes, a.device)
+    clip_ids, t5_ids = tokenize(text, [caption(s) for s in scenes])
+    targets = {k: v.to(a.device) for k, v in probe_targets(scenes).items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.device.startswith("cuda")):
+        latents = encode_images(vae, scenes, a.device)
     report["dataset_seconds"] = time.time() - t0
     report["scenes"] = a.scenes
     print(f"dataset: {a.scenes} scenes in {report['dataset_seconds']:.0f} s", flush=True)
-    model, tr = train_transformer(latents, seqs, pooled, a.device, a.transformer_seconds, a.batch, a.seed + 3)
-    report.update(tr)
+    trainee = Trainee(text)
+    if start is not None:
+        trainee.transformer.load_state_dict(start.state_dict())
+    report.update(train_transformer(trainee, latents, clip_ids.to(a.device), t5_ids.to(a.device), targets, a.device,
+                                    a.transformer_seconds, a.batch, a.seed + 3, precision, attention, a.probe_weight,
+                                    max_steps=a.transformer_steps))
     pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae.to(torch.float16),
-                        transformer=model.to(torch.float16), text_encoder=text["text_encoder"].to(torch.float16),
-                        text_encoder_2=text["text_encoder_2"].to(torch.float16), tokenizer=text["tokenizer"],
-                        tokenizer_2=text["tokenizer_2"])
+                        transformer=trainee.transformer.to(torch.float16),
+                        text_encoder=trainee.clip.to(torch.float16), text_encoder_2=trainee.t5.to(torch.float16),
+                        tokenizer=text["tokenizer"], tokenizer_2=text["tokenizer_2"])
     out = Path(a.out)
     pipe.save_pretrained(out, safe_serialization=True)
     report["weights_mb"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
     report["total_seconds"] = time.time() - t_start
-    report["command"] = "python -m model.toy.train " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    report["command"] = "python -m model.toy.train " + " ".join(argv if argv is not None else sys.argv[1:])
     Path(a.report or out / "train.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return 0
