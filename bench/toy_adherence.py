@@ -1,7 +1,7 @@
 """Prompt adherence of a toy-world pipeline (held-out captions, scene checker) per tier, and its CPU speed.
 
     python bench/toy_adherence.py --model <folder from model.toy.train> --device cuda   # lossless, high variants
-    python bench/toy_adherence.py --model <folder> --device cpu       # lossless, and seconds per 256x256 image
+    python bench/toy_adherence.py --model toy --device cpu    # lossless, high, and seconds per 256x256 image
 
 Writes bench/results/toy-adherence[-<device>].json (adherence per variant, n_prompts, cpu_seconds_256 on the
 CPU, weights_mb) and prints it.
@@ -31,7 +31,7 @@ DEFAULT_STEPS = 16
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="a folder written by python -m model.toy.train")
+    ap.add_argument("--model", default="toy", help="the toy preset, or a folder written by python -m model.toy.train")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS)
@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     command = "python bench/toy_adherence.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
     prompts = held_out_prompts(a.prompts)
-    folder = Path(a.model)
+    from model.presets import SHIPPED
+
+    folder = SHIPPED.get(a.model, Path(a.model))
     result: dict[str, Any] = {
         "command": command, "model": a.model, "device": a.device, "n_prompts": len(prompts), "steps": a.steps,
         "weights_mb": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20,
@@ -56,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     run("lossless", pipe, "lossless")
     if a.device == "cpu":
         from model.request import GenerationRequest
+
+        run("high", pipe, "high")
+        result["adherence_high"] = result["adherence"]["high"]["adherence"]
 
         times = []
         for i in range(5):

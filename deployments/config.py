@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from deployments.errors import BadRequest
-from model.request import DTYPES, QUALITIES, SizeError
+from model.request import DEFAULT_MODEL, DEFAULT_STEPS, DTYPES, QUALITIES, SizeError
 from model.request import parse_size as parse_request_size
 
 
@@ -105,11 +105,11 @@ class PoolArgs:
 
 @dataclass(frozen=True)
 class AppArgs:
-    model: str = "tiny"
+    model: str = DEFAULT_MODEL
     dtype: str = "float32"
     device: str = "cpu"
     default_size: str = "256x256"
-    default_steps: int = 4
+    default_steps: int = DEFAULT_STEPS
     default_guidance: float = 3.5
     # The tier of a request that asks for none, "auto" or "standard".
     default_quality: str = "lossless"

@@ -26,6 +26,11 @@ from typing import Any
 
 import yaml
 
+from model.request import DEFAULT_PROMPT
+
+
+_EXAMPLE = "a large blue square in the center, on a white background"
+
 
 def ray_env() -> dict[str, str]:
     """Environment for a local Ray: no usage reporting; session files under a short path (unix sockets)."""
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="serve_config.yaml")
     p.add_argument("--out", default="fluxserve-demo.png")
-    p.add_argument("--prompt", default="a lighthouse on a cliff at dusk, oil painting")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--once", action="store_true", help="stop serving after the demo requests")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     args = p.parse_args(argv)
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{quality}: wrote {out} ({len(content)} bytes, md5 {hashlib.md5(content).hexdigest()}) {info}",
                   flush=True)
         print(f"\ntry it yourself:\n  curl -s {base}/v1/images/generations -H 'Content-Type: application/json' "
-              f"-H 'Accept: image/png' -d '{{\"prompt\": \"a red fox\", \"seed\": 1}}' -o fox.png\n"
+              f"-H 'Accept: image/png' -d '{{\"prompt\": \"{_EXAMPLE}\", \"seed\": 1}}' -o shapes.png\n"
               f"  API docs: {base}/docs", flush=True)
         if not args.once:
             print("serving; Ctrl-C to stop", flush=True)

@@ -2,8 +2,8 @@
 
 generate: one image from a prompt to a PNG file (progress bar over the denoising steps).
 verify:   runs stock diffusers (reference), our lossless tier and our high tier on the same request; prints latent
-          and PNG md5s and PSNR/SSIM of high vs lossless; exit status 1 if lossless is not byte-identical to the
-          reference.
+          and PNG md5s, PSNR/SSIM of high vs lossless, and, for a caption of the toy world, the scene checker's score
+          of both; exit status 1 if lossless is not byte-identical to the reference.
 """
 
 from __future__ import annotations
@@ -16,19 +16,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from model.request import DTYPES, QUALITIES, GenerationRequest, dtype_name, parse_size, validate_batch
+from model.request import (DEFAULT_MODEL, DEFAULT_PROMPT, DEFAULT_STEPS, DTYPES, QUALITIES, GenerationRequest,
+                           dtype_name, parse_size, validate_batch)
 
 _DTYPE_CHOICES = sorted({*DTYPES, "fp32", "bf16", "fp16"})
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", default="a red fox in the snow, watercolor")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--size", default="256x256", help="WxH, multiples of 16 (default 256x256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--guidance", type=float, default=3.5)
-    p.add_argument("--model", default="tiny", help="preset name (tiny, tiny-schnell, flux-dev-random, "
-                   "flux-schnell-random) or a local diffusers FLUX.1 folder (default: tiny)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="preset name (toy, tiny, tiny-schnell, flux-dev-random, "
+                   f"flux-schnell-random) or a local diffusers FLUX.1 folder (default: {DEFAULT_MODEL})")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=_DTYPE_CHOICES,
                    help="default: bfloat16 on cuda, float32 on cpu")
@@ -95,6 +96,8 @@ def verify(pipe: Any, request: Any, progress: bool = False) -> dict[str, Any]:
     report = pipe.last_mount_report
     refused = dict(getattr(report, "refused", {}) or {})
     p = psnr(high.png, lossless.png)
+    from model.toy.adherence import caption_score
+
     return {
         "reference": {"latents_md5": md5(ref_lat[0]), "png_md5": md5(ref_png[0]), "seconds": t1 - t0},
         "lossless": {"latents_md5": md5(lossless.latents), "png_md5": md5(lossless.png),
@@ -108,6 +111,9 @@ def verify(pipe: Any, request: Any, progress: bool = False) -> dict[str, Any]:
         "psnr_high_vs_lossless_db": None if math.isinf(p) else p,
         "high_identical_to_lossless": math.isinf(p),
         "ssim_high_vs_lossless": ssim(high.png, lossless.png),
+        # the toy world's scene checker (model/toy/checker.py), when the prompt is one of its captions
+        "caption_score": {"lossless": caption_score(lossless.png, request.prompt),
+                          "high": caption_score(high.png, request.prompt)},
     }
 
 
@@ -139,6 +145,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         fp8_text = "fp8" if h["fp8"] else f"bf16 (fp8 refused: {h['fp8_refused']})"
         print(f"high: fused projections, {fp8_text}, {h['mounted_sites']} GELU sites mounted")
         print(f"high vs lossless: PSNR {psnr_text} dB, SSIM {res['ssim_high_vs_lossless']:.5f}")
+        cs = res["caption_score"]
+        if cs["lossless"] is not None:
+            print(f"scene checker (stated attributes that hold): lossless {cs['lossless']:.2f}, high {cs['high']:.2f}")
     return 0 if res["lossless_latents_equal"] and res["lossless_png_equal"] else 1
 
 

@@ -16,6 +16,7 @@ import torch
 
 from model import presets
 from model.pipeline import FluxServePipeline
+from model.request import DEFAULT_MODEL
 
 # Components FluxPipeline needs, and the files each must have (any one name of a group suffices).
 _REQUIRED: dict[str, list[tuple[str, ...]]] = {
@@ -235,16 +236,15 @@ def load_flux_pipeline(folder: str | os.PathLike[str], transformer: torch.nn.Mod
     return pipe.to(device)
 
 
-def load_pipeline(path_or_preset: str | os.PathLike[str] = "tiny", device: str | torch.device = "cpu",
+def load_pipeline(path_or_preset: str | os.PathLike[str] = DEFAULT_MODEL, device: str | torch.device = "cpu",
                   dtype: torch.dtype = torch.float32) -> "FluxServePipeline":
     """A FluxServePipeline from a local diffusers FLUX.1 folder or a preset name, with our transformer."""
 
     name = str(path_or_preset)
-    if name in presets.PRESETS and not Path(name).exists():
-        spec = presets.PRESETS[name]
-        if not spec.on_disk:
+    if name in presets.preset_names() and not Path(name).exists():
+        folder = presets.preset_folder(name)
+        if folder is None:
             return _in_memory_preset(name, device, dtype)
-        folder = presets.ensure_preset(name)
     else:
         folder = Path(name).expanduser()
     check_folder(folder)

@@ -1,4 +1,4 @@
-"""Random-weight FLUX.1 presets, built offline and deterministically.
+"""FLUX.1 presets, offline: random-weight ones built deterministically in code, and a trained one shipped.
 
 - `tiny` (default) and `tiny-schnell`: every code path of the real pipeline (CLIP + T5 text encoders, guidance
   embedding for `tiny`, none for `tiny-schnell`, a 4-level VAE with 16 latent channels) at toy sizes. Built once on
@@ -7,6 +7,9 @@
 - `flux-dev-random` / `flux-schnell-random`: the full FLUX.1 architecture (19 + 38 blocks, 3072 hidden, T5-XXL and
   CLIP-L sized encoders, the FLUX VAE) with random weights, for GPU benchmarks. ~24 GB in bf16, so they are built
   directly on the target device in memory and never written to disk.
+
+- `toy`: trained (model/toy/train.py) to draw captions of a procedural scene world (model/toy/scenes.py) at
+  256x256; its weights are shipped in the repository (`SHIPPED`), so nothing is built or downloaded.
 
 The saved folders use diffusers' own classes (FluxTransformer2DModel etc.), so they are plain FLUX.1 folders that
 stock diffusers can load too; our transformer is substituted at load time.
@@ -28,7 +31,6 @@ import torch
 
 # Bump when a preset recipe changes: cached folders of older recipes are then ignored, not silently reused.
 PRESET_VERSION = 1
-DEFAULT_PRESET = "tiny"
 _COMPLETE_MARKER = ".fluxserve-complete"
 
 
@@ -89,8 +91,21 @@ PRESETS: dict[str, PresetSpec] = {
 }
 
 
+# Presets shipped as trained weights in the repository (diffusers format; model/toy/train.py made them), loaded
+# like any local FLUX.1 folder.
+SHIPPED: dict[str, Path] = {"toy": Path(__file__).resolve().parent / "toy" / "weights"}
+
+
 def preset_names() -> list[str]:
-    return list(PRESETS)
+    return [*PRESETS, *SHIPPED]
+
+
+def preset_folder(name: str) -> Path | None:
+    """The folder preset `name` loads from: its shipped folder, or its cache folder (built on first use); None for
+    a preset built in memory on the target device."""
+    if name in SHIPPED:
+        return SHIPPED[name]
+    return ensure_preset(name) if _spec(name).on_disk else None
 
 
 def cache_dir() -> Path:
@@ -168,7 +183,7 @@ def save_preset(name: str, dest: str | os.PathLike[str]) -> Path:
     return dest
 
 
-def ensure_preset(name: str = DEFAULT_PRESET, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+def ensure_preset(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Return the folder of on-disk preset `name`, building it first if the cache does not have it.
 
     The build goes to a temporary folder next to the final one and is renamed into place, so a crash or a
@@ -207,4 +222,4 @@ def _spec(name: str) -> PresetSpec:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}") from None

@@ -24,6 +24,11 @@ QUALITIES: tuple[Quality, ...] = ("lossless", "high")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
+# What runs when nothing is named (the CLI, the server's args, the demo): the shipped `toy` preset
+# (model/presets.py), which draws captions of its scene world at 256x256 in this many steps.
+DEFAULT_MODEL = "toy"
+DEFAULT_STEPS = 16
+DEFAULT_PROMPT = "a large blue triangle in the center, a small yellow circle at the top left, on a black background"
 SIZE_MULTIPLE = 16  # FLUX packs 2x2 latent patches of the 8x VAE: pixel sides are multiples of 16
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes 64-bit seeds; we keep them signed for JSON clients
 _SIZE_RE = re.compile(r"^([0-9]{1,6})x([0-9]{1,6})$")

@@ -174,6 +174,7 @@ def serve_app(tiny_path: Path, tiny_pipe: Any):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "model": str(tiny_path),
+        "default_steps": 4,
         "max_batch_size": 4,
         "batch_wait_timeout_s": 0.2,
         "request_timeout_s": 60,

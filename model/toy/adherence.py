@@ -45,6 +45,19 @@ class Adherence:
         return {"adherence": self.fraction, "per_prompt": self.per_prompt, "failed": self.failed}
 
 
+def caption_score(png: bytes, text: str) -> float | None:
+    """The checker's score of one PNG against `text`; None when `text` is not a caption of the toy world."""
+    from PIL import Image
+
+    from model.toy.scenes import parse_caption
+
+    try:
+        parse_caption(text)
+    except ValueError:
+        return None
+    return score(np.asarray(Image.open(io.BytesIO(png)).convert("RGB")), text).fraction
+
+
 def adherence_of_pngs(prompts: list[str], pngs: list[bytes]) -> Adherence:
     from PIL import Image
 
