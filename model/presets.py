@@ -93,7 +93,7 @@ PRESETS: dict[str, PresetSpec] = {
 
 # Presets shipped as trained weights in the repository (diffusers format; model/toy/train.py made them), loaded
 # like any local FLUX.1 folder.
-SHIPPED: dict[str, Path] = {"toy": Path(__file__).resolve().parent / "toy" / "weights"}
+SHIPPED: dict[str, Path] = {"toy": Path(__file__).resolve().parent / "toy" / "flux-toy"}
 
 
 def preset_names() -> list[str]:

@@ -1,6 +1,6 @@
 """Train the `toy` preset: a small FLUX.1 pipeline that draws what its caption says (model/toy/scenes.py's world).
 
-    python -m model.toy.train --out model/toy/weights            # on the H200 (the timings in the results file)
+    python -m model.toy.train --out model/toy/flux-toy            # on the H200 (the timings in the results file)
 
 1. Tokenizers built in code from captions of the grammar (one token per word). CLIP-L / T5 layouts at toy width.
 2. The FLUX VAE layout (16 latent channels, 8x) trained as an autoencoder on rendered scenes. Its
@@ -346,7 +346,7 @@ def load_trained(folder: Path, device: str) -> tuple[dict[str, Any], Any, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "weights"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "flux-toy"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vae-steps", type=int, default=1500)
