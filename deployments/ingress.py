@@ -152,6 +152,18 @@ class Ingress:
         for q in QUALITIES:
             self.m_inflight.set(0, tags={"pool": q})
 
+    def _enter(self, pool: str) -> None:
+        self._inflight[pool] += 1
+        self.m_inflight.set(self._inflight[pool], tags={"pool": pool})
+
+    def _leave(self, pool: str) -> None:
+        self._inflight[pool] -= 1
+        self.m_inflight.set(self._inflight[pool], tags={"pool": pool})
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight per pool (the `fluxserve_in_flight` gauge), streams included; for handles and tests."""
+        return dict(self._inflight)
+
     @api.get("/healthz")
     async def healthz(self) -> dict[str, Any]:
         """Liveness of the ingress; pool replicas are health-checked by Serve itself."""
@@ -246,13 +258,11 @@ class Ingress:
         if v.stream:
             return await self._stream(v, kind)
         t0 = time.perf_counter()
-        self._inflight[pool] += 1
-        self.m_inflight.set(self._inflight[pool], tags={"pool": pool})
+        self._enter(pool)
         try:
             status, payload = await self._dispatch(pool, v.jobs, v.timeout_s)
         finally:
-            self._inflight[pool] -= 1
-            self.m_inflight.set(self._inflight[pool], tags={"pool": pool})
+            self._leave(pool)
         self.m_requests.inc(tags={"pool": pool, "status": str(status)})
         if status != 200:
             return payload
@@ -310,6 +320,7 @@ class Ingress:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + v.timeout_s
         t0 = time.perf_counter()
+        self._enter(pool)  # left when the stream ends, fails, or its client goes (body's finally), or below
         events = self.pools[pool].options(stream=True).generate_stream.remote(job, v.partial_images)
 
         async def next_event() -> tuple[int, Any]:
@@ -324,8 +335,13 @@ class Ingress:
                 events.cancel()
                 return _failure(pool, e, v.timeout_s)
 
-        status, first = await next_event()
+        try:
+            status, first = await next_event()
+        except BaseException:
+            self._leave(pool)
+            raise
         if status != 200:  # nothing sent yet: answer with the status itself
+            self._leave(pool)
             self.m_requests.inc(tags={"pool": pool, "status": str(status)})
             return first
         common = {"size": v.size, "quality": pool, "background": "opaque", "output_format": v.output_format}
@@ -353,6 +369,7 @@ class Ingress:
                 error = json.loads(event.body)["error"]
                 yield _sse("error", {"type": "error", "error": error})
             finally:
+                self._leave(pool)
                 self.m_requests.inc(tags={"pool": pool, "status": str(status)})
                 events.cancel()  # a no-op once the stream has ended; else the client left: stop the work
 

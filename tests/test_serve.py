@@ -966,6 +966,40 @@ def test_a_closed_stream_cancels_its_work(serve_app: dict) -> None:
     assert _post(serve_app, {"prompt": "next", "size": "64x64", "steps": 1}).status_code == 200
 
 
+def test_a_stream_counts_as_in_flight_until_its_last_event_or_its_client_leaving(serve_app: dict) -> None:
+    """The ingress's in-flight count (the `fluxserve_in_flight` gauge) holds a stream from its request to its
+    completed event, and to the moment a client that hangs up early is gone."""
+    from ray import serve
+
+    ingress = serve.get_deployment_handle("Ingress", app_name=APP)
+
+    def in_flight() -> int:
+        return ingress.in_flight.remote().result(timeout_s=30)["lossless"]
+
+    def settles_at(value: int) -> bool:
+        deadline = time.time() + 20
+        while time.time() < deadline and in_flight() != value:
+            time.sleep(0.2)
+        return in_flight() == value
+
+    before = in_flight()
+    body = {"prompt": SLOW, "size": "64x64", "steps": 6, "stream": True, "partial_images": 2, "seed": 2}
+    for read_to_the_end in (True, False):
+        with httpx.stream("POST", serve_app["url"] + "/v1/images/generations", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            kinds = []
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    kinds.append(line[len("event: "):])
+                    if len(kinds) == 1:
+                        assert in_flight() == before + 1
+                        if not read_to_the_end:
+                            break
+        if read_to_the_end:
+            assert kinds[-1] == "image_generation.completed", kinds
+        assert settles_at(before), (read_to_the_end, in_flight(), before)
+
+
 def test_response_format_url_serves_the_image_from_the_app(serve_app: dict) -> None:
     """`response_format: "url"` through the official client: the URL serves the same bytes the b64 answer carries
     (the lossless pipeline's PNG); an unknown file id is a 404 JSON error."""
