@@ -35,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import kernels.switches  # noqa: E402
 from bench.e2e import _sync, timed  # noqa: E402
 from model.loading import diffusers_reference, load_pipeline  # noqa: E402
 from model.metrics import psnr, ssim  # noqa: E402
@@ -53,6 +54,7 @@ class Variant:
     cuda_graphs: bool = False
     mount_gelu: bool = True  # the current high tier's GELU sites (no effect where fp8 takes the GELU)
     step_cache: float | None = None  # First-Block-Cache threshold: end to end only (a single step never skips)
+    norm_producer: bool = True  # fp8 forms: norms quantize their own output (switch fp8_norm_producer)
 
 
 VARIANTS = [
@@ -62,6 +64,8 @@ VARIANTS = [
     Variant("high + fp8", fp8=True),
     Variant("high + fp8 + fused_projections", fp8=True, fused_projections=True),
     Variant("high + fp8 + fused_projections + fast_norm", fp8=True, fused_projections=True, fast_norm=True),
+    Variant("high + fp8 + fused_projections + fast_norm, norms not quantizing", fp8=True, fused_projections=True,
+            fast_norm=True, norm_producer=False),
     Variant("high + fp8 + fused_projections + fast_norm + cuda_graphs", fp8=True, fused_projections=True,
             fast_norm=True, cuda_graphs=True),
     Variant("high + fp8 + fused_projections + step_cache 0.1", fp8=True, fused_projections=True, step_cache=0.1),
@@ -137,7 +141,8 @@ def step_fn(pipe: FluxServePipeline | Any, v: Variant | None, inputs: dict[str, 
                          fused_projections=plan.fused_projections)
 
     def call() -> Any:
-        with applied_tier(transformer, plan, step_graphs=pipe.step_graphs):
+        with kernels.switches.override(fp8_norm_producer=v.norm_producer), \
+                applied_tier(transformer, plan, step_graphs=pipe.step_graphs):
             return transformer(**inputs)
 
     return call

@@ -1,4 +1,5 @@
-"""Triton kernel of kernels/fp8.py: per-row fp8 quantization of `[a | gelu(b)]` in one pass (not bit-exact)."""
+"""Triton kernels of kernels/fp8.py (not bit-exact): per-row fp8 quantization of `[a | gelu(b)]` in one pass, and
+LayerNorm + AdaLN modulation whose output row is quantized in the same pass (it never exists in bf16)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,47 @@ def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool) -> tupl
         return q.to(torch.float8_e4m3fn), scale
     _quant_rows_tuned[lambda m: (triton.cdiv(M, m["ROWS"]),)](*args, **meta)
     return q, scale
+
+
+@triton.jit
+def _ln_modulate_quant_kernel(
+    x_ptr, scale_ptr, shift_ptr, q_ptr, s_ptr,
+    S, N, x_sb, x_ss, scale_sb, shift_sb, eps,
+    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # One row per program, held in registers: the fast (two-pass statistics) LayerNorm and the modulation of
+    # kernels/_high_triton.py in fp32, then the row's amax, its scale and the fp8 row. INTERPRET: as above.
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + b * x_sb + row * x_ss + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / N
+    xc = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
+    sc = tl.load(scale_ptr + b * scale_sb + cols, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + b * shift_sb + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.where(mask, xc * rstd * (1.0 + sc) + sh, 0.0)
+    qscale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
+    out_row = b * S + row
+    tl.store(s_ptr + out_row, qscale)
+    q = tl.minimum(tl.maximum(y / qscale, -448.0), 448.0)
+    if not INTERPRET:
+        q = q.to(tl.float8e4nv)
+    tl.store(q_ptr + out_row * N + cols, q, mask=mask)
+
+
+def ln_modulate_quantize(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, S, D] (unit last stride), scale/shift [B, D] -> fp8 [B * S, D], fp32 scale [B * S, 1]."""
+    B, S, D = x.shape
+    interpret = _interpreting()
+    q = torch.empty((B * S, D), dtype=torch.float32 if interpret else torch.float8_e4m3fn, device=x.device)
+    qscale = torch.empty((B * S, 1), dtype=torch.float32, device=x.device)
+    if B * S:
+        block = triton.next_power_of_2(D)
+        _ln_modulate_quant_kernel[(S, B)](
+            x, scale, shift, q, qscale, S, D, x.stride(0), x.stride(1), scale.stride(0), shift.stride(0), eps,
+            BLOCK_N=block, INTERPRET=interpret, num_warps=max(1, min(8, block // 512)),
+        )
+    return (q.to(torch.float8_e4m3fn) if interpret else q), qscale

@@ -4,7 +4,9 @@ activations quantized per row by one Triton pass, `torch._scaled_mm` with bias a
 An activation is quantized in the same pass that would otherwise only copy or activate it: `quantize_rows(a, b)`
 reads `a` and optionally a second part `b` (with tanh-GELU applied to it), finds each row's absolute maximum over
 both and writes one fp8 row `[a | gelu(b)]` plus its fp32 scale. So `linear(cat([a, gelu(b)]))` (the single
-block's proj_out) and `linear(gelu(h))` (the FF down-projection) need no bf16 intermediate at all.
+block's proj_out) and `linear(gelu(h))` (the FF down-projection) need no bf16 intermediate at all. Likewise
+`layer_norm_modulate_fp8` quantizes the modulated LayerNorm row in the norm's own pass and hands the consumers an
+`Fp8Rows` (the q/k/v and MLP up-projections take it as it is: one quantization for all of them).
 
 Where fp8 does not apply (no CUDA, a GPU before Ada/Hopper, fp16 or fp32 models, shapes `_scaled_mm` refuses),
 `fp8_refusal` says why and the caller keeps its bf16 layer; every op here has an eager twin used on the CPU.
@@ -13,17 +15,32 @@ Where fp8 does not apply (no CUDA, a GPU before Ada/Hopper, fp16 or fp32 models,
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import switches
+
 logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 MIN_AMAX = 1e-12  # an all-zero row gets this amax (a finite scale, zeros stay zeros)
+LN_PRODUCER = switches.register(
+    "fp8_norm_producer", True, "fp8 norm sites quantize their modulated LayerNorm rows in the norm's own pass")
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """An activation quantized per row: fp8 `q` [M, K], fp32 `scale` [M, 1], standing for a tensor of `shape`
+    [..., K] (M its leading elements). `Fp8Linear` takes it in place of that tensor."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    shape: torch.Size
 
 
 def fp8_refusal(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -102,6 +119,28 @@ def quantize_rows(a: torch.Tensor, b: torch.Tensor | None = None,
     return _fp8_triton.quantize_rows(a2, b2, gelu_b)
 
 
+def layer_norm_modulate_fp8_eager(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                                   eps: float) -> Fp8Rows:
+    """`layer_norm_modulate_fp8`'s twin: the modulated LayerNorm in fp32 (no rounding to x's dtype), quantized."""
+    D = x.shape[-1]
+    y = F.layer_norm(x.float(), (D,), eps=eps) * (1 + scale.float()[:, None]) + shift.float()[:, None]
+    q, s = quantize_rows_eager(y.reshape(-1, D))
+    return Fp8Rows(q, s, x.shape)
+
+
+def layer_norm_modulate_fp8(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> Fp8Rows:
+    """`quantize_rows(modulate(layer_norm(x), scale, shift))` for x [B, S, D], scale/shift [B, D], in one pass on
+    CUDA (the row is normalised, modulated and quantized in fp32 registers); the eager twin elsewhere."""
+    B, S, D = x.shape
+    if (x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and x.stride(2) == 1 and D <= 16384
+            and all(t.shape == (B, D) and t.dtype == x.dtype and t.stride(1) == 1 for t in (scale, shift))):
+        from . import _fp8_triton
+
+        q, s = _fp8_triton.ln_modulate_quantize(x, scale, shift, eps)
+        return Fp8Rows(q, s, x.shape)
+    return layer_norm_modulate_fp8_eager(x, scale, shift, eps)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The layer
 # ---------------------------------------------------------------------------------------------------------------
@@ -110,8 +149,8 @@ def quantize_rows(a: torch.Tensor, b: torch.Tensor | None = None,
 class Fp8Linear(nn.Module):
     """A linear layer with fp8 e4m3 weights (per output channel scales) and bf16 input/output.
 
-    `forward(x)` quantizes x per row and runs one `torch._scaled_mm`; `matmul(q, scale)` takes an activation some
-    other pass already quantized. Built from one or several `nn.Linear`s (`from_linears`: stacked along the output
+    `forward(x)` quantizes x per row (or takes the `Fp8Rows` its producer already quantized) and runs one
+    `torch._scaled_mm`; `matmul(q, scale)` takes rows some other pass quantized. Built from one or several `nn.Linear`s (`from_linears`: stacked along the output
     dimension, so q/k/v become one GEMM); the bf16 weights are not kept.
     """
 
@@ -165,7 +204,9 @@ class Fp8Linear(nn.Module):
         return torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, bias=self.bias,
                                 out_dtype=torch.bfloat16)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if isinstance(x, Fp8Rows):  # quantized by the pass that produced it
+            return self.matmul(x.q, x.scale).view(*x.shape[:-1], self.out_features)
         q, scale = quantize_rows(x)
         return self.matmul(q, scale).view(*x.shape[:-1], self.out_features)
 

@@ -8,16 +8,22 @@ write of the activation.
 aten's CUDA LayerNorm reduction order (see `_lossless_triton`), so the normalised row has the same bits, then the
 modulation's roundings, in one read of the row for the statistics and one pass for the output.
 Quality "high" may switch a model's norm sites to the fast variant (`set_fast_norm`): plain two-pass statistics
-and one rounding, not bit-exact. Both exact kernels are guarded by `ExactGate`.
+and one rounding, not bit-exact. Both exact kernels are guarded by `ExactGate`. A norm site whose consumers are all
+fp8 linears may emit its output quantized (`set_norm_fp8`; `kernels.fp8.layer_norm_modulate_fp8`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .exact import ExactGate, Signature, tensor_signature
+
+if TYPE_CHECKING:
+    from .fp8 import Fp8Rows
 
 GATE = ExactGate("modulate")
 LN_GATE = ExactGate("layer_norm_modulate")  # on: aten's LayerNorm statistics replayed bit for bit, ~1.6x faster
@@ -27,6 +33,7 @@ _HALF = (torch.float16, torch.bfloat16)
 # Per-module flag: does this norm site run the fast (not bit-exact) LayerNorm+modulate kernel? A plain instance
 # attribute, like the GELU sites: copied by deepcopy, untouched by .to(), invisible to state_dict.
 _FAST_NORM_ATTR = "_fluxserve_fast_norm"
+_FP8_NORM_ATTR = "_fluxserve_norm_fp8"  # likewise: does this site hand its consumers fp8 rows (kernels.fp8)?
 
 
 def modulate_eager(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -86,13 +93,18 @@ def _fast_supported(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -
 
 
 def layer_norm_modulate(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, fast: bool = False
-) -> torch.Tensor:
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, fast: bool = False, fp8: bool = False
+) -> torch.Tensor | Fp8Rows:
     """`modulate(F.layer_norm(x, (D,), eps=eps), scale, shift)` for x [B, S, D], scale/shift [B, D].
 
     fast=False (lossless): bit-exact, one pass when the gate has verified the kernel for this signature, else
     eager. fast=True (quality "high", CUDA fp16/bf16): the non-exact single-pass kernel; elsewhere the lossless path.
+    fp8=True (an fp8 site, see `norm_fp8`): the result quantized per row as `Fp8Rows`, computed in one pass on CUDA.
     """
+    if fp8:
+        from .fp8 import layer_norm_modulate_fp8
+
+        return layer_norm_modulate_fp8(x, scale, shift, eps)
     if fast and _fast_supported(x, scale, shift):
         from . import _high_triton
 
@@ -133,3 +145,20 @@ def set_fast_norm(model: nn.Module, on: bool) -> int:
 def fast_norm_sites(model: nn.Module) -> int:
     """How many norm sites of `model` are switched to the fast kernel."""
     return sum(1 for m in model.modules() if getattr(m, _FAST_NORM_ATTR, False))
+
+
+def set_norm_fp8(module: nn.Module, on: bool) -> None:
+    """Make the norm site `module` hand its consumers fp8 rows (on) or tensors. Only for a site whose every
+    consumer takes `kernels.fp8.Fp8Rows` (the model decides that when it quantizes its linears)."""
+    if not hasattr(module, _FAST_NORM_ATTR):
+        raise ValueError(f"{type(module).__name__} is not a marked norm site")
+    setattr(module, _FP8_NORM_ATTR, bool(on))
+
+
+def norm_fp8(module: nn.Module) -> bool:
+    """Does the norm site `module` emit fp8 rows now (its flag, and the `fp8_norm_producer` switch)?"""
+    if not getattr(module, _FP8_NORM_ATTR, False):
+        return False
+    from .fp8 import LN_PRODUCER
+
+    return LN_PRODUCER.value

@@ -39,7 +39,7 @@ from diffusers.utils import apply_lora_scale, logging
 from kernels import gelu_site, mark_fused_gelu_site, residual_gate_add, switches
 from kernels.fp8 import Fp8Linear, convertible, fp8_refusal, linear_cat_gelu
 from kernels.gelu import unmark_fused_gelu_site
-from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site
+from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site, norm_fp8, set_norm_fp8
 from kernels.rope import rms_rope_cat
 
 if TYPE_CHECKING:
@@ -153,7 +153,8 @@ class FluxAdaLayerNormZero(nn.Module):
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, *rest = emb.chunk(self.chunks, dim=1)
-        return (layer_norm_modulate(x, scale_msa, shift_msa, self.norm.eps, fast=fast_norm(self)), *rest)
+        return (layer_norm_modulate(x, scale_msa, shift_msa, self.norm.eps, fast=fast_norm(self), fp8=norm_fp8(self)),
+                *rest)
 
 
 class FluxAdaLayerNormZeroSingle(FluxAdaLayerNormZero):
@@ -330,14 +331,15 @@ class FluxTransformerBlock(nn.Module):
 
         # Image stream. diffusers: `h = h + gate.unsqueeze(1) * update` at each site.
         hidden_states = residual_gate_add(hidden_states, attn_output, gate_msa.unsqueeze(1))
-        fast = fast_norm(self)
-        norm_hidden_states = layer_norm_modulate(hidden_states, scale_mlp, shift_mlp, self.norm2.eps, fast=fast)
+        fast, fp8 = fast_norm(self), norm_fp8(self)
+        norm_hidden_states = layer_norm_modulate(hidden_states, scale_mlp, shift_mlp, self.norm2.eps, fast=fast,
+                                                 fp8=fp8)
         hidden_states = residual_gate_add(hidden_states, self.ff(norm_hidden_states), gate_mlp.unsqueeze(1))
 
         # Text stream.
         encoder_hidden_states = residual_gate_add(encoder_hidden_states, context_attn_output, c_gate_msa.unsqueeze(1))
         norm_encoder_hidden_states = layer_norm_modulate(
-            encoder_hidden_states, c_scale_mlp, c_shift_mlp, self.norm2_context.eps, fast=fast
+            encoder_hidden_states, c_scale_mlp, c_shift_mlp, self.norm2_context.eps, fast=fast, fp8=fp8
         )
         # diffusers clips only the text stream here (fp16 overflow guard); folded into the residual kernel.
         encoder_hidden_states = residual_gate_add(
@@ -613,7 +615,26 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
                 kept[name] = why
             else:
                 setattr(self.get_submodule(parent_name), attr, Fp8Linear.from_linears([layer]))
+        self._quantize_at_norms()
         return kept
+
+    def _quantize_at_norms(self) -> None:
+        """Norm sites whose every consumer is now an fp8 linear quantize their own output (one pass, no bf16
+        activation); a site with a consumer left in bf16 keeps handing out tensors."""
+
+        def fp8(*layers: nn.Module | None) -> bool:
+            return all(isinstance(layer, Fp8Linear) for layer in layers)
+
+        for block in self.transformer_blocks:
+            a = block.attn
+            set_norm_fp8(block.norm1, fp8(a.to_qkv) if a.to_qkv is not None else fp8(a.to_q, a.to_k, a.to_v))
+            set_norm_fp8(block.norm1_context, fp8(a.to_added_qkv) if a.to_added_qkv is not None
+                         else fp8(a.add_q_proj, a.add_k_proj, a.add_v_proj))
+            set_norm_fp8(block, block.ff.gelu_in_down_proj and block.ff_context.gelu_in_down_proj)
+        for block in self.single_transformer_blocks:
+            a = block.attn
+            ups = (block.to_qkv_mlp,) if block.to_qkv_mlp is not None else (a.to_q, a.to_k, a.to_v, block.proj_mlp)
+            set_norm_fp8(block.norm, isinstance(block.proj_out, Fp8Linear) and fp8(*ups))
 
     @apply_lora_scale("joint_attention_kwargs")
     def forward(

@@ -24,6 +24,7 @@ import kernels
 import kernels.fp8 as fp8
 import model.flux as flux_mod
 from deployments.config import AppArgs
+from kernels.modulate import norm_fp8
 from model.flux import FluxTransformer
 from model.loading import load_pipeline
 from model.pipeline import GenerationRequest
@@ -127,6 +128,54 @@ def test_quantization_kernel_in_the_interpreter_equals_its_eager_twin() -> None:
     """Indexing, masks over several blocks, strided rows, both parts, the GELU and the zero row (the interpreter's
     own fp8 cast is wrong, so there the kernel writes fp32 and torch rounds: the GPU test covers the cast)."""
     run_in_interpreter(_QUANT_PROBE, "fp8 quantization ok")
+
+
+_LN_QUANT_PROBE = r"""
+import torch
+from kernels import _fp8_triton as T
+from kernels.fp8 import layer_norm_modulate_fp8_eager
+torch.manual_seed(0)
+for dtype in (torch.bfloat16, torch.float16):
+    base = torch.randn(2, 5, 40 + 200) * 3
+    base[1, 2] = 0.5  # a constant row: only the shift survives the norm
+    x = base.to(dtype)[..., 40:]  # D = 200 (masked block of 256), row stride 240, batch stride 1200
+    scale, shift = (torch.randn(2, 200) * 0.5).to(dtype), (torch.randn(2, 200)).to(dtype)
+    shift[1] = 0  # and a zero shift: the constant row is all zeros (its scale: MIN_AMAX / 448)
+    q, s = T.ln_modulate_quantize(x, scale, shift, 1e-6)
+    ref = layer_norm_modulate_fp8_eager(x, scale, shift, 1e-6)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == ref.q.shape == (10, 200), (q.dtype, q.shape)
+    assert torch.allclose(s, ref.scale, rtol=1e-5, atol=0), (dtype, (s - ref.scale).abs().max())
+    qf, qef = q.float(), ref.q.float()
+    diff = qf != qef  # the statistics' summation order differs from aten's: a rare value crosses a rounding point
+    assert diff.float().mean() < 2e-3, (dtype, int(diff.sum()))
+    assert ((qf - qef).abs() <= torch.maximum(qf.abs(), qef.abs()) * 2.0 ** -3 + 2.0 ** -9)[diff].all()
+    assert (qf[7] == 0).all() and s[7].item() == (torch.tensor(1e-12) / 448.0).item()  # fp32
+print("fp8 layer norm ok")
+"""
+
+
+def test_the_norm_that_quantizes_its_output_in_the_interpreter_equals_its_eager_twin() -> None:
+    """LayerNorm + modulation + per-row fp8 in one kernel: masks (D not a power of two), strided rows, batch
+    offsets of the modulation, a constant row (all zeros after the norm) against the fp32 eager definition."""
+    run_in_interpreter(_LN_QUANT_PROBE, "fp8 layer norm ok")
+
+
+def test_the_fp8_norm_is_the_quantized_fp32_norm_and_close_to_quantizing_the_rounded_one() -> None:
+    from kernels.modulate import layer_norm_modulate
+
+    torch.manual_seed(2)
+    x = torch.randn(2, 7, 64, dtype=torch.bfloat16)
+    scale, shift = torch.randn(2, 64, dtype=torch.bfloat16) * 0.3, torch.randn(2, 64, dtype=torch.bfloat16)
+    rows = layer_norm_modulate(x, scale, shift, 1e-6, fp8=True)
+    assert isinstance(rows, fp8.Fp8Rows) and rows.shape == x.shape and rows.q.shape == (14, 64)
+    y = F.layer_norm(x.float(), (64,), eps=1e-6) * (1 + scale.float()[:, None]) + shift.float()[:, None]
+    q, s = fp8.quantize_rows_eager(y.reshape(14, 64))
+    assert torch.equal(rows.q.float(), q.float()) and torch.equal(rows.scale, s)
+    # what the consumer would have quantized without the producer: the bf16 norm's rows
+    q16, s16 = fp8.quantize_rows_eager(layer_norm_modulate(x, scale, shift, 1e-6).reshape(14, 64))
+    assert _rel(rows.q.float() * rows.scale, q16.float() * s16) < 0.03
+    layer = fp8.Fp8Linear.from_linears([nn.Linear(64, 32, dtype=torch.bfloat16)])
+    assert torch.equal(layer(rows), layer.matmul(rows.q, rows.scale).view(2, 7, 32))
 
 
 def test_fp8_linear_stacks_layers_and_matches_its_dequantized_reference_on_cpu() -> None:
@@ -253,6 +302,13 @@ def test_fp8_conversion_of_a_model_converts_every_token_linear_and_stays_close(f
     assert all(ff.gelu_in_down_proj for ff in m.modules() if isinstance(ff, flux_mod.FluxFeedForward))
     assert all(b.mlp_gelu_in_proj_out for b in m.single_transformer_blocks)
     assert _rel(got, ref) < 0.4, _rel(got, ref)  # random weights: fp8's cost here is no quality figure
+    # every norm site quantizes its own output (3 per double block, 1 per single block); with the producer
+    # switched off the consumers quantize the bf16 norm instead, and the model stays as close to its emulation
+    assert sum(norm_fp8(mod) for mod in m.modules()) == 3 * len(m.transformer_blocks) + len(m.single_transformer_blocks)
+    with torch.no_grad(), kernels.switches.override(fp8_norm_producer=False):
+        assert not any(norm_fp8(mod) for mod in m.modules())
+        unfused = m(**inputs)[0]
+    assert _rel(unfused, emulated) < 0.03 and _rel(unfused, got) < 0.03
 
 
 def test_fp8_layers_where_a_shape_is_refused_stay_bf16_and_are_reported(fp8_on_cpu) -> None:
@@ -261,6 +317,7 @@ def test_fp8_layers_where_a_shape_is_refused_stay_bf16_and_are_reported(fp8_on_c
     assert kept and all("divisible by 16" in why for why in kept.values())
     assert not any(isinstance(mod, fp8.Fp8Linear) for mod in m.modules())
     assert not any(ff.gelu_in_down_proj for ff in m.modules() if isinstance(ff, flux_mod.FluxFeedForward))
+    assert not any(norm_fp8(mod) for mod in m.modules())  # their consumers are bf16: the norms hand out tensors
     with torch.no_grad():
         assert torch.isfinite(m(**_inputs(1, torch.bfloat16, width=16))[0]).all()
 
@@ -327,6 +384,25 @@ def test_the_high_engine_converts_at_start_and_keeps_bf16_where_fp8_is_refused(t
 
 _needs_fp8 = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an fp8 GPU")
+
+
+@pytest.mark.gpu
+@_needs_fp8
+@pytest.mark.parametrize("S", [4096, 512])
+def test_gpu_norm_quantizing_its_output_against_eager(S: int) -> None:
+    """The fp8 norm kernel at FLUX.1 width (image and text streams) against the fp32 eager definition."""
+    torch.manual_seed(0)
+    x = (torch.randn(2, S, 3072, device="cuda") * 4).to(torch.bfloat16)
+    scale = (torch.randn(2, 3072, device="cuda") * 0.3).to(torch.bfloat16)
+    shift = torch.randn(2, 3072, device="cuda").to(torch.bfloat16)
+    rows = fp8.layer_norm_modulate_fp8(x, scale, shift, 1e-6)
+    ref = fp8.layer_norm_modulate_fp8_eager(x, scale, shift, 1e-6)
+    assert rows.q.dtype == torch.float8_e4m3fn and rows.q.shape == (2 * S, 3072)
+    assert torch.allclose(rows.scale, ref.scale, rtol=1e-5, atol=0)
+    qf, qef = rows.q.float(), ref.q.float()
+    mismatch = qf != qef
+    assert mismatch.float().mean() < 1e-3, int(mismatch.sum())
+    assert ((qf - qef).abs() <= torch.maximum(qf.abs(), qef.abs()) * 2.0 ** -3 + 2.0 ** -9)[mismatch].all()
 
 
 @pytest.mark.gpu
