@@ -27,6 +27,7 @@ from model.loading import load_pipeline  # noqa: E402
 from model.toy.adherence import held_out_prompts, measure  # noqa: E402
 
 DEFAULT_STEPS = 16
+STEP_CACHE_THRESHOLDS = (0.05, 0.1, 0.2, 0.4)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,9 +51,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(name: str, pipe: Any, quality: str, **setup: Any) -> None:
         t0 = time.perf_counter()
-        adh, _ = measure(pipe, prompts, quality=quality, steps=a.steps)
-        result["adherence"][name] = {**adh.to_dict(), "seconds": time.perf_counter() - t0, **setup}
-        print(f"{name}: adherence {adh.fraction:.4f} failed {adh.failed}", flush=True)
+        adh, results = measure(pipe, prompts, quality=quality, steps=a.steps)
+        # the steps each image's batch took from the step cache, as a fraction of its steps
+        cached = sum(r.timings.get("cached_steps", 0.0) for r in results) / (len(results) * a.steps)
+        result["adherence"][name] = {**adh.to_dict(), "seconds": time.perf_counter() - t0,
+                                     "cached_steps_fraction": cached, **setup}
+        print(f"{name}: adherence {adh.fraction:.4f} failed {adh.failed} cached steps {cached:.2f}", flush=True)
 
     pipe = load_pipeline(a.model, device=a.device, dtype=torch.float32)
     run("lossless", pipe, "lossless")
@@ -61,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
         run("high", pipe, "high")
         result["adherence_high"] = result["adherence"]["high"]["adherence"]
+        for threshold in STEP_CACHE_THRESHOLDS:  # First-Block step cache (issue 15) on trained weights
+            pipe.high_step_cache = threshold
+            run(f"high_step_cache_{threshold}", pipe, "high", step_cache=threshold)
+        pipe.high_step_cache = None
 
         times = []
         for i in range(5):

@@ -75,13 +75,14 @@ def adherence_of_pngs(prompts: list[str], pngs: list[bytes]) -> Adherence:
 
 
 def measure(pipe: Any, prompts: list[str], quality: str = "lossless", steps: int = 16, batch: int = 8,
-            first_seed: int = 0) -> tuple[Adherence, list[bytes]]:
-    """Generate one image per prompt (seed first_seed + i) through `pipe` (a FluxServePipeline) and score them."""
+            first_seed: int = 0) -> tuple[Adherence, list[Any]]:
+    """Generate one image per prompt (seed first_seed + i) through `pipe` (a FluxServePipeline) and score them;
+    returns the score and the GenerationResults."""
     from model.request import GenerationRequest
 
-    pngs: list[bytes] = []
+    results: list[Any] = []
     for i in range(0, len(prompts), batch):
         reqs = [GenerationRequest(p, height=256, width=256, steps=steps, seed=first_seed + i + k, quality=quality)
                 for k, p in enumerate(prompts[i:i + batch])]
-        pngs += [r.png for r in pipe.generate(reqs)]
-    return adherence_of_pngs(prompts, pngs), pngs
+        results += pipe.generate(reqs)
+    return adherence_of_pngs(prompts, [r.png for r in results]), results
