@@ -54,7 +54,7 @@ class Variant:
     cuda_graphs: bool = False
     mount_gelu: bool = True  # the current high tier's GELU sites (no effect where fp8 takes the GELU)
     step_cache: float | None = None  # First-Block-Cache threshold: end to end only (a single step never skips)
-    norm_producer: bool = True  # fp8 forms: norms quantize their own output (switch fp8_norm_producer)
+    norm_producer: bool = False  # fp8 forms: norms quantize their own output (switch fp8_norm_producer)
 
 
 VARIANTS = [
@@ -64,8 +64,8 @@ VARIANTS = [
     Variant("high + fp8", fp8=True),
     Variant("high + fp8 + fused_projections", fp8=True, fused_projections=True),
     Variant("high + fp8 + fused_projections + fast_norm", fp8=True, fused_projections=True, fast_norm=True),
-    Variant("high + fp8 + fused_projections + fast_norm, norms not quantizing", fp8=True, fused_projections=True,
-            fast_norm=True, norm_producer=False),
+    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer", fp8=True, fused_projections=True,
+            fast_norm=True, norm_producer=True),
     Variant("high + fp8 + fused_projections + fast_norm + cuda_graphs", fp8=True, fused_projections=True,
             fast_norm=True, cuda_graphs=True),
     Variant("high + fp8 + fused_projections + step_cache 0.1", fp8=True, fused_projections=True, step_cache=0.1),

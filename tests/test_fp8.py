@@ -302,13 +302,14 @@ def test_fp8_conversion_of_a_model_converts_every_token_linear_and_stays_close(f
     assert all(ff.gelu_in_down_proj for ff in m.modules() if isinstance(ff, flux_mod.FluxFeedForward))
     assert all(b.mlp_gelu_in_proj_out for b in m.single_transformer_blocks)
     assert _rel(got, ref) < 0.4, _rel(got, ref)  # random weights: fp8's cost here is no quality figure
-    # every norm site quantizes its own output (3 per double block, 1 per single block); with the producer
-    # switched off the consumers quantize the bf16 norm instead, and the model stays as close to its emulation
-    assert sum(norm_fp8(mod) for mod in m.modules()) == 3 * len(m.transformer_blocks) + len(m.single_transformer_blocks)
-    with torch.no_grad(), kernels.switches.override(fp8_norm_producer=False):
-        assert not any(norm_fp8(mod) for mod in m.modules())
-        unfused = m(**inputs)[0]
-    assert _rel(unfused, emulated) < 0.03 and _rel(unfused, got) < 0.03
+    # with the producer switched on, every norm site quantizes its own output (3 per double block, 1 per single
+    # block) instead of its consumers quantizing the bf16 norm, and the model stays as close to its emulation
+    assert not any(norm_fp8(mod) for mod in m.modules())  # off by default
+    with torch.no_grad(), kernels.switches.override(fp8_norm_producer=True):
+        assert sum(norm_fp8(mod) for mod in m.modules()) == (3 * len(m.transformer_blocks)
+                                                             + len(m.single_transformer_blocks))
+        produced = m(**inputs)[0]
+    assert _rel(produced, emulated) < 0.03 and _rel(produced, got) < 0.03
 
 
 def test_fp8_layers_where_a_shape_is_refused_stay_bf16_and_are_reported(fp8_on_cpu) -> None:
@@ -317,7 +318,8 @@ def test_fp8_layers_where_a_shape_is_refused_stay_bf16_and_are_reported(fp8_on_c
     assert kept and all("divisible by 16" in why for why in kept.values())
     assert not any(isinstance(mod, fp8.Fp8Linear) for mod in m.modules())
     assert not any(ff.gelu_in_down_proj for ff in m.modules() if isinstance(ff, flux_mod.FluxFeedForward))
-    assert not any(norm_fp8(mod) for mod in m.modules())  # their consumers are bf16: the norms hand out tensors
+    with kernels.switches.override(fp8_norm_producer=True):  # their consumers are bf16: the norms hand out tensors
+        assert not any(norm_fp8(mod) for mod in m.modules())
     with torch.no_grad():
         assert torch.isfinite(m(**_inputs(1, torch.bfloat16, width=16))[0]).all()
 
