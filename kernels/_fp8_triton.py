@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._high_triton import ln_modulate_row
 from ._lossless_triton import _GELU_BETA, _GELU_KAPPA, _interpreting, libdevice
 
 _FP8_MAX = 448.0
@@ -110,21 +111,11 @@ def _ln_modulate_quant_kernel(
     S, N, x_sb, x_ss, scale_sb, shift_sb, eps,
     BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    # One row per program, held in registers: the fast (two-pass statistics) LayerNorm and the modulation of
-    # kernels/_high_triton.py in fp32, then the row's amax, its scale and the fp8 row. INTERPRET: as above.
-    row = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(x_ptr + b * x_sb + row * x_ss + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / N
-    xc = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
-    sc = tl.load(scale_ptr + b * scale_sb + cols, mask=mask, other=0.0).to(tl.float32)
-    sh = tl.load(shift_ptr + b * shift_sb + cols, mask=mask, other=0.0).to(tl.float32)
-    y = tl.where(mask, xc * rstd * (1.0 + sc) + sh, 0.0)
+    # One row per program, held in registers: the high tier's fast LayerNorm + modulation in fp32, then the row's
+    # amax, its scale and the fp8 row. INTERPRET: as above.
+    y, out_row, cols, mask = ln_modulate_row(x_ptr, scale_ptr, shift_ptr, S, N, x_sb, x_ss, scale_sb, shift_sb, eps,
+                                             BLOCK_N)
     qscale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
-    out_row = b * S + row
     tl.store(s_ptr + out_row, qscale)
     q = tl.minimum(tl.maximum(y / qscale, -448.0), 448.0)
     if not INTERPRET:
