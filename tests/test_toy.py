@@ -156,3 +156,47 @@ def test_training_feeds_the_text_encoders_as_flux_pipeline_does() -> None:
         pipe = FluxPipeline(scheduler=None, vae=None, transformer=None, **text)
         ref_seq, ref_pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, max_sequence_length=T5_TOKENS)
     assert torch.equal(seq, ref_seq) and torch.equal(pooled, ref_pooled)
+
+
+def test_the_vae_loss_weights_shape_pixels_and_only_them() -> None:
+    import torch
+
+    from model.toy.scenes import render_batch
+    from model.toy.train import shape_weights
+
+    scenes = [Scene("gray", (Shape("square", "red", "large", "center"),)), Scene("white", ())]
+    x = render_batch(scenes, 64)
+    w = shape_weights(scenes, x, fg_weight=8.0)
+    assert w.shape == (2, 1, 64, 64) and set(w.unique().tolist()) == {1.0, 9.0}
+    assert (w[1] == 1.0).all()  # no shapes: background everywhere
+    red = (x[0] - torch.tensor([220, 40, 40]).view(3, 1, 1) / 127.5 + 1).abs().amax(0) < 1e-6
+    assert torch.equal(w[0, 0] == 9.0, red)
+
+
+def test_tuning_the_decoder_keeps_the_encoder_so_the_latents_stay_valid() -> None:
+    """`--tune-decoder-seconds`: the encoder (what the transformer learned to draw in) keeps every bit; the decoder
+    changes; the report scores reconstructions with the checker."""
+    import random as rnd
+
+    import torch
+
+    from model.toy.train import fit_vae, new_vae, vae_report
+
+    torch.manual_seed(0)
+    vae = new_vae("cpu")
+    encoder = {k: v.clone() for k, v in vae.encoder.state_dict().items()}
+    decoder = {k: v.clone() for k, v in vae.decoder.state_dict().items()}
+    report = fit_vae(vae, "cpu", steps=2, batch=1, seed=0, decoder_only=True)
+    assert report["vae_steps"] == 2 and report["vae_decoder_only"]
+    assert all(torch.equal(v, vae.encoder.state_dict()[k]) for k, v in encoder.items())
+    assert any(not torch.equal(v, vae.decoder.state_dict()[k]) for k, v in decoder.items())
+    assert all(p.requires_grad for p in vae.parameters())  # the VAE is left trainable as it came
+    from diffusers import AutoencoderKL
+
+    from model.presets import SHIPPED
+
+    scenes = [sample_scene(rnd.Random(i)) for i in range(6)]
+    shipped = AutoencoderKL.from_pretrained(SHIPPED["toy"] / "vae", torch_dtype=torch.float32).eval()
+    trained, untrained = (vae_report(v, "cpu", scenes, set_factors=False) for v in (shipped, vae))
+    assert trained["vae_recon_adherence"] > untrained["vae_recon_adherence"] + 0.2, (trained, untrained)
+    assert trained["vae_recon_l1"] < untrained["vae_recon_l1"]
