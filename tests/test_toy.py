@@ -79,7 +79,7 @@ def test_held_out_prompts_are_not_training_captions() -> None:
 # Four held-out prompts at the preset's step count (CPU, float32). The trained preset scores TOY_SMOKE_MIN or more on
 # them; the same pipeline with a random transformer scores well under it (measured values in the assertion text).
 TOY_STEPS = 16
-TOY_SMOKE_MIN = 0.4  # measured: 0.55 trained, 0.14 with a random transformer
+TOY_SMOKE_MIN = 0.75  # measured: 0.89 trained, 0.55 with a random transformer
 
 
 @pytest.fixture(scope="module")
