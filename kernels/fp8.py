@@ -5,8 +5,9 @@ An activation is quantized in the same pass that would otherwise only copy or ac
 reads `a` and optionally a second part `b` (with tanh-GELU applied to it), finds each row's absolute maximum over
 both and writes one fp8 row `[a | gelu(b)]` plus its fp32 scale. So `linear(cat([a, gelu(b)]))` (the single
 block's proj_out) and `linear(gelu(h))` (the FF down-projection) need no bf16 intermediate at all. Likewise
-`layer_norm_modulate_fp8` quantizes the modulated LayerNorm row in the norm's own pass and hands the consumers an
-`Fp8Rows` (the q/k/v and MLP up-projections take it as it is: one quantization for all of them).
+`kernels.modulate.layer_norm_modulate(..., fp8=True)` quantizes the modulated LayerNorm row in the norm's own
+pass and hands the consumers an `Fp8Rows` (the q/k/v and MLP up-projections take it as it is: one quantization
+for all of them).
 
 Where fp8 does not apply (no CUDA, a GPU before Ada/Hopper, fp16 or fp32 models, shapes `_scaled_mm` refuses),
 `fp8_refusal` says why and the caller keeps its bf16 layer; every op here has an eager twin used on the CPU.
@@ -122,24 +123,12 @@ def quantize_rows(a: torch.Tensor, b: torch.Tensor | None = None,
 
 def layer_norm_modulate_fp8_eager(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
                                    eps: float) -> Fp8Rows:
-    """`layer_norm_modulate_fp8`'s twin: the modulated LayerNorm in fp32 (no rounding to x's dtype), quantized."""
+    """The eager twin of the fp8 norm (`layer_norm_modulate(..., fp8=True)`): the modulated LayerNorm in fp32 (no
+    rounding to x's dtype), quantized."""
     D = x.shape[-1]
     y = F.layer_norm(x.float(), (D,), eps=eps) * (1 + scale.float()[:, None]) + shift.float()[:, None]
     q, s = quantize_rows_eager(y.reshape(-1, D))
     return Fp8Rows(q, s, x.shape)
-
-
-def layer_norm_modulate_fp8(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> Fp8Rows:
-    """`quantize_rows(modulate(layer_norm(x), scale, shift))` for x [B, S, D], scale/shift [B, D], in one pass on
-    CUDA (the row is normalised, modulated and quantized in fp32 registers); the eager twin elsewhere."""
-    B, S, D = x.shape
-    if (x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and x.stride(2) == 1 and D <= 16384
-            and all(t.shape == (B, D) and t.dtype == x.dtype and t.stride(1) == 1 for t in (scale, shift))):
-        from . import _fp8_triton
-
-        q, s = _fp8_triton.ln_modulate_quantize(x, scale, shift, eps)
-        return Fp8Rows(q, s, x.shape)
-    return layer_norm_modulate_fp8_eager(x, scale, shift, eps)
 
 
 # ---------------------------------------------------------------------------------------------------------------

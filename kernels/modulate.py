@@ -9,7 +9,7 @@ aten's CUDA LayerNorm reduction order (see `_lossless_triton`), so the normalise
 modulation's roundings, in one read of the row for the statistics and one pass for the output.
 Quality "high" may switch a model's norm sites to the fast variant (`set_fast_norm`): plain two-pass statistics
 and one rounding, not bit-exact. Both exact kernels are guarded by `ExactGate`. A norm site whose consumers are all
-fp8 linears may emit its output quantized (`set_norm_fp8`; `kernels.fp8.layer_norm_modulate_fp8`).
+fp8 linears may emit its output quantized (`set_norm_fp8`; `layer_norm_modulate(..., fp8=True)`).
 """
 
 from __future__ import annotations
@@ -101,10 +101,14 @@ def layer_norm_modulate(
     eager. fast=True (quality "high", CUDA fp16/bf16): the non-exact single-pass kernel; elsewhere the lossless path.
     fp8=True (an fp8 site, see `norm_fp8`): the result quantized per row as `Fp8Rows`, computed in one pass on CUDA.
     """
-    if fp8:
-        from .fp8 import layer_norm_modulate_fp8
+    if fp8:  # the fast kernel's row, quantized instead of rounded: the same support rule
+        from .fp8 import Fp8Rows, layer_norm_modulate_fp8_eager
 
-        return layer_norm_modulate_fp8(x, scale, shift, eps)
+        if not _fast_supported(x, scale, shift):
+            return layer_norm_modulate_fp8_eager(x, scale, shift, eps)
+        from . import _fp8_triton
+
+        return Fp8Rows(*_fp8_triton.ln_modulate_quantize(x, scale, shift, eps), x.shape)
     if fast and _fast_supported(x, scale, shift):
         from . import _high_triton
 

@@ -24,7 +24,7 @@ import kernels
 import kernels.fp8 as fp8
 import model.flux as flux_mod
 from deployments.config import AppArgs
-from kernels.modulate import norm_fp8
+from kernels.modulate import layer_norm_modulate, norm_fp8
 from model.flux import FluxTransformer
 from model.loading import load_pipeline
 from model.pipeline import GenerationRequest
@@ -161,8 +161,6 @@ def test_the_norm_that_quantizes_its_output_in_the_interpreter_equals_its_eager_
 
 
 def test_the_fp8_norm_is_the_quantized_fp32_norm_and_close_to_quantizing_the_rounded_one() -> None:
-    from kernels.modulate import layer_norm_modulate
-
     torch.manual_seed(2)
     x = torch.randn(2, 7, 64, dtype=torch.bfloat16)
     scale, shift = torch.randn(2, 64, dtype=torch.bfloat16) * 0.3, torch.randn(2, 64, dtype=torch.bfloat16)
@@ -397,7 +395,7 @@ def test_gpu_norm_quantizing_its_output_against_eager(S: int) -> None:
     x = (torch.randn(2, S, 3072, device="cuda") * 4).to(torch.bfloat16)
     scale = (torch.randn(2, 3072, device="cuda") * 0.3).to(torch.bfloat16)
     shift = torch.randn(2, 3072, device="cuda").to(torch.bfloat16)
-    rows = fp8.layer_norm_modulate_fp8(x, scale, shift, 1e-6)
+    rows = layer_norm_modulate(x, scale, shift, 1e-6, fp8=True)
     ref = fp8.layer_norm_modulate_fp8_eager(x, scale, shift, 1e-6)
     assert rows.q.dtype == torch.float8_e4m3fn and rows.q.shape == (2 * S, 3072)
     assert torch.allclose(rows.scale, ref.scale, rtol=1e-5, atol=0)
