@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import io
 import random
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from model.toy.checker import score
+from model.toy.checker import Adherence, score, score_all
 from model.toy.scenes import caption, sample_scene
 from model.toy.train import TRAIN_SCENES, training_scenes
 
@@ -35,43 +34,25 @@ def held_out_prompts(n: int, exclude: set[str] | None = None, seed: int = HELD_O
     return out
 
 
-@dataclass(frozen=True)
-class Adherence:
-    fraction: float  # stated attributes that hold, over all prompts
-    per_prompt: list[float]
-    failed: dict[str, int]  # attribute kind -> how often it failed
+def _pixels(png: bytes) -> np.ndarray:
+    from PIL import Image
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"adherence": self.fraction, "per_prompt": self.per_prompt, "failed": self.failed}
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
 
 def caption_score(png: bytes, text: str) -> float | None:
     """The checker's score of one PNG against `text`; None when `text` is not a caption of the toy world."""
-    from PIL import Image
-
     from model.toy.scenes import parse_caption
 
     try:
         parse_caption(text)
     except ValueError:
         return None
-    return score(np.asarray(Image.open(io.BytesIO(png)).convert("RGB")), text).fraction
+    return score(_pixels(png), text).fraction
 
 
 def adherence_of_pngs(prompts: list[str], pngs: list[bytes]) -> Adherence:
-    from PIL import Image
-
-    held = stated = 0
-    per_prompt, failed = [], {}
-    for prompt, png in zip(prompts, pngs):
-        s = score(np.asarray(Image.open(io.BytesIO(png)).convert("RGB")), prompt)
-        held, stated = held + s.held, stated + s.stated
-        per_prompt.append(s.fraction)
-        for key, ok in s.details.items():
-            if not ok:
-                kind = key.split(".")[-1]
-                failed[kind] = failed.get(kind, 0) + 1
-    return Adherence(held / stated, per_prompt, failed)
+    return score_all((_pixels(png) for png in pngs), prompts)
 
 
 def measure(pipe: Any, prompts: list[str], quality: str = "lossless", steps: int = 16, batch: int = 8,

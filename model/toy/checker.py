@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -91,3 +92,29 @@ def score(img: np.ndarray, scene: Scene | str) -> Score:
         details.update({f"{i}.colour": r.found and r.colour == s.colour, f"{i}.kind": r.found and r.kind == s.kind,
                         f"{i}.size": r.found and r.size == s.size, f"{i}.place": r.found and r.centred})
     return Score(sum(details.values()), len(details), details)
+
+
+@dataclass(frozen=True)
+class Adherence:
+    fraction: float  # stated attributes that hold, over all images
+    per_prompt: list[float]
+    failed: dict[str, int]  # attribute kind -> how often it failed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"adherence": self.fraction, "per_prompt": self.per_prompt, "failed": self.failed}
+
+
+def score_all(images: Iterable[np.ndarray], scenes: Iterable[Scene | str]) -> Adherence:
+    """Many images, each against its scene or caption: the fraction of all stated attributes that hold, each
+    image's own fraction, and which kinds of attribute failed how often."""
+    held = stated = 0
+    per_prompt, failed = [], {}
+    for img, scene in zip(images, scenes):
+        s = score(img, scene)
+        held, stated = held + s.held, stated + s.stated
+        per_prompt.append(s.fraction)
+        for key, ok in s.details.items():
+            if not ok:
+                kind = key.split(".")[-1]
+                failed[kind] = failed.get(kind, 0) + 1
+    return Adherence(held / stated, per_prompt, failed)

@@ -222,7 +222,7 @@ def vae_report(vae: Any, device: str, scenes: list[Scene], set_factors: bool) ->
     """Reconstruction figures on `scenes`: L1 on [-1, 1], and the scene checker's adherence of the reconstructions
     (the ceiling of what a transformer drawing through this VAE can score). set_factors: the latents'
     shift/scaling factors are set from these scenes (a new VAE)."""
-    from model.toy.checker import score
+    from model.toy.checker import score_all
 
     x = render_batch(scenes, SIZE, device)
     z = torch.cat([vae.encode(x[i:i + 64]).latent_dist.mean for i in range(0, len(scenes), 64)])
@@ -232,11 +232,7 @@ def vae_report(vae: Any, device: str, scenes: list[Scene], set_factors: bool) ->
         vae.register_to_config(shift_factor=z.mean().item(), scaling_factor=1.0 / z.std().item())
         out.update(shift_factor=vae.config.shift_factor, scaling_factor=vae.config.scaling_factor)
     pixels = ((rec.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-    held = stated = 0
-    for scene, img in zip(scenes, pixels):
-        s = score(img, scene)
-        held, stated = held + s.held, stated + s.stated
-    out["vae_recon_adherence"] = held / stated
+    out["vae_recon_adherence"] = score_all(pixels, scenes).fraction
     return out
 
 
@@ -356,9 +352,10 @@ def train_transformer(trainee: Trainee, latents: torch.Tensor, clip_ids: torch.T
 def probe_precision(attention: str, device: str = "cuda", batch: int = 256) -> None:
     """One bf16 training step of the real shapes on random data (run in a child process by `choose_precision`)."""
     torch.manual_seed(0)
-    trainee = Trainee(build_text(device))
+    text = build_text(device)
+    trainee = Trainee(text)
     scenes = [sample_scene(random.Random(i)) for i in range(batch)]
-    clip_ids, t5_ids = tokenize(build_text("cpu"), [caption(s) for s in scenes])
+    clip_ids, t5_ids = tokenize(text, [caption(s) for s in scenes])
     targets = {k: v.to(device) for k, v in probe_targets(scenes).items()}
     latents = torch.randn(batch, (SIZE // 16) ** 2, 64, device=device, dtype=torch.bfloat16)
     train_transformer(trainee, latents, clip_ids.to(device), t5_ids.to(device), targets, device, 60.0, batch, 0,
