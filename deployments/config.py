@@ -80,6 +80,10 @@ class PoolArgs:
     # High pool only: LayerNorm + AdaLN modulation through the single-pass fast kernel (CUDA fp16/bf16; not
     # bit-exact: bench/results/e2e-h200-high-variants.md gives its speed and PSNR/SSIM). The lossless pool refuses it.
     fast_norm: bool = False
+    # High pool only: attention through the 8-bit kernel (int8 Q K^T, fp8 P V; CUDA fp16/bf16, head size 32, 64
+    # or 128, elsewhere SDPA is kept). Not bit-exact: speed and PSNR/SSIM in bench/results/high-h200.md. The
+    # lossless pool refuses it.
+    attention8: bool = False
     # Either pool (tp == 1, device cuda): replay each transformer step from a CUDA graph, captured on the first
     # request of each batch size / resolution (removes the host launch gaps; bit-identical, so lossless stays
     # byte-identical to diffusers). Not with compile: a compiled high batch never replays graphs.
@@ -167,6 +171,7 @@ class AppArgs:
                 raise ValueError(f"args.pools.{q}.tp must be an integer >= 1, got {pool.tp!r}")
             _check_compile(pool, q)
             _check_high_only_switch(pool, q, "fast_norm")
+            _check_high_only_switch(pool, q, "attention8")
             for key in ("fused_projections", "fp8"):
                 _check_high_only_switch(pool, q, key)
                 if getattr(pool, key) and pool.tp != 1:

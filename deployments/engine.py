@@ -80,6 +80,7 @@ class LocalEngine:
         torch.set_num_threads(int(threads))
         self.pipe = load_pipeline(args.model, device=args.device, dtype=torch_dtype(args.dtype))
         self.pipe.high_fast_norm = pool_args.fast_norm
+        self.pipe.high_attention8 = pool_args.attention8
         self.pipe.high_step_cache = pool_args.step_cache_threshold
         if args.loras:
             self.pipe.load_loras(args.loras)
@@ -210,6 +211,7 @@ class TPEngine:
                 timeout_s=self.pool.collective_timeout_s,
                 cpu_threads=threads,
                 fast_norm=self.pool.fast_norm,
+                attention8=self.pool.attention8,
             )
             self.workers.append(w)
             self._names.append(name)

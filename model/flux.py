@@ -37,6 +37,7 @@ from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 from diffusers.utils import apply_lora_scale, logging
 
 from kernels import gelu_site, mark_fused_gelu_site, residual_gate_add, switches
+from kernels.attention import attention
 from kernels.fp8 import Fp8Linear, convertible, fp8_refusal, linear_cat_gelu
 from kernels.gelu import unmark_fused_gelu_site
 from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site, norm_fp8, set_norm_fp8
@@ -58,6 +59,8 @@ __all__ = [
     "FirstBlockCache",
     "running",
     "execution_of",
+    "set_attention8",
+    "attention8_sites",
     "FluxTransformerBlock",
     "FluxSingleTransformerBlock",
     "FluxAttention",
@@ -69,13 +72,18 @@ __all__ = [
 ]
 
 
-def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-    """diffusers' native attention backend: [B, S, H, D] in, permuted views into SDPA, [B, S, H, D] out."""
-    if attn_mask is not None and attn_mask.ndim == 2 and attn_mask.shape == (query.shape[0], key.shape[1]):
-        attn_mask = attn_mask.unsqueeze(1).unsqueeze(1)
-    q, k, v = (t.permute(0, 2, 1, 3) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=False)
-    return out.permute(0, 2, 1, 3)
+def set_attention8(model: nn.Module, on: bool) -> int:
+    """Switch every `FluxAttention` in `model` to 8-bit attention (`on`, high tier: int8 Q K^T, fp8 P V, not
+    bit-exact; refused per call where it cannot run, see kernels.attention) or back to SDPA; returns how many."""
+    sites = [m for m in model.modules() if isinstance(m, FluxAttention)]
+    for m in sites:
+        m.attention8 = on
+    return len(sites)
+
+
+def attention8_sites(model: nn.Module) -> int:
+    """How many attention modules of `model` are switched to 8-bit attention."""
+    return sum(1 for m in model.modules() if isinstance(m, FluxAttention) and m.attention8)
 
 
 def _fp16_clip(x: torch.Tensor) -> float | None:
@@ -206,6 +214,8 @@ class FluxAttention(nn.Module):
         # High tier: q/k/v (and the text stream's) as one GEMM each, set by `fuse_projections`.
         self.to_qkv: nn.Module | None = None
         self.to_added_qkv: nn.Module | None = None
+        # High tier, per batch (`set_attention8`): 8-bit attention instead of SDPA.
+        self.attention8 = False
 
     def fuse_projections(self) -> None:
         """q, k, v as one stacked linear (and add_q/k/v as another); the separate layers are dropped. Not bit-exact
@@ -287,11 +297,13 @@ class FluxAttention(nn.Module):
                 query = torch.cat([norm_added_q(encoder_query), query], dim=1)
                 key = torch.cat([norm_added_k(encoder_key), key], dim=1)
 
-        hidden_states = _sdpa(query, key, value, attention_mask)
         if out is not None:
-            # The copy `flatten` would make anyway, into the caller's buffer (same values, no extra pass).
-            out.unflatten(-1, hidden_states.shape[2:]).copy_(hidden_states)
+            # Into the caller's buffer: SDPA's result is copied there (the copy `flatten` would make anyway), the
+            # 8-bit kernel writes there directly.
+            attention(query, key, value, attention_mask, fp8=self.attention8,
+                      out=out.unflatten(-1, (query.shape[2], query.shape[3])))
             return out
+        hidden_states = attention(query, key, value, attention_mask, fp8=self.attention8)
         return hidden_states.flatten(2, 3).to(query.dtype)
 
 

@@ -44,6 +44,7 @@ class GenerationResult:
     mounted_sites: int  # GELU sites that were mounted while this request ran (0: ran unfused)
     timings: dict[str, float] = field(default_factory=dict)
     fast_norm_sites: int = 0  # LayerNorm+modulate sites on the fast (not bit-exact) kernel while this ran
+    attention8_sites: int = 0  # attention modules switched to 8-bit attention while this ran
 
 
 class GenerationCancelled(RuntimeError):
@@ -169,6 +170,8 @@ class FluxServePipeline:
         self.compile_warmup_s: float | None = None
         # "high" batches only: run LayerNorm+modulate through the fast single-pass kernel (not bit-exact).
         self.high_fast_norm = False
+        # "high" batches only: 8-bit attention (int8 Q K^T, fp8 P V) instead of SDPA (not bit-exact).
+        self.high_attention8 = False
         # CUDA graphs of the transformer step; None until enable_cuda_graphs().
         self._step_graphs: StepGraphs | None = None
         # LoRA adapters loaded once (load_loras): name -> file; a batch activates the ones its requests name.
@@ -352,8 +355,8 @@ class FluxServePipeline:
     def plan(self, quality: Quality, compiled: bool | None = None, cuda_graphs: bool | None = None) -> TierPlan:
         """The tier plan of a batch of `quality` under this pipeline's settings. `compiled` (default: after
         `enable_compile`) applies to high batches only; `cuda_graphs` (default: after `enable_cuda_graphs`) to
-        either tier except a compiled high batch; `high_fast_norm` on CUDA fp16/bf16 only (elsewhere the sites
-        stay exact)."""
+        either tier except a compiled high batch; `high_fast_norm` and `high_attention8` on CUDA fp16/bf16 only
+        (elsewhere the sites stay exact)."""
         if compiled is None:
             compiled = self.compile_enabled
         if compiled and quality == "high" and self._compiled_runners is None:
@@ -365,7 +368,9 @@ class FluxServePipeline:
         if quality != "high" and (self.fp8 or self.fused_projections):
             raise ValueError(f"this pipeline's transformer was converted for the high tier (fp8={self.fp8}, "
                              f"fused_projections={self.fused_projections}): it cannot serve {quality!r} batches")
-        return plan_tier(quality, fast_norm=self.high_fast_norm and self._fast_norm_applies(), compiled=compiled,
+        half_cuda = self._cuda_half()
+        return plan_tier(quality, fast_norm=self.high_fast_norm and half_cuda,
+                         attention8=self.high_attention8 and half_cuda, compiled=compiled,
                          cuda_graphs=cuda_graphs, fp8=self.fp8, fused_projections=self.fused_projections,
                          step_cache=self.high_step_cache)
 
@@ -397,7 +402,8 @@ class FluxServePipeline:
             timings["cached_steps"] = float(report.step_cache.skipped)
         return [GenerationResult(png=png, latents=lat, seed=r.seed, quality=quality,
                                  mounted_sites=report.mounted_sites, timings=dict(timings),
-                                 fast_norm_sites=report.fast_norm_sites)
+                                 fast_norm_sites=report.fast_norm_sites,
+                                 attention8_sites=report.attention8_sites)
                 for r, lat, png in zip(requests, latents, pngs)]
 
     def release_memory(self) -> None:
@@ -410,8 +416,9 @@ class FluxServePipeline:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _fast_norm_applies(self) -> bool:
-        # The fast LayerNorm+modulate kernel exists for CUDA fp16/bf16 only; elsewhere the sites stay exact.
+    def _cuda_half(self) -> bool:
+        # The fast LayerNorm+modulate and 8-bit attention kernels exist for CUDA fp16/bf16 only; elsewhere the
+        # sites stay exact.
         import torch
 
         return self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)

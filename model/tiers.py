@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import kernels
 from kernels.modulate import fast_norm_sites, set_fast_norm
-from model.flux import FirstBlockCache, running
+from model.flux import FirstBlockCache, attention8_sites, running, set_attention8
 from model.request import Quality
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ class TierPlan:
     quality: Quality
     mount_gelu: bool = False  # Linear + tanh-GELU sites through the fused epilogue (not bit-exact)
     fast_norm: bool = False  # LayerNorm + modulate through the single-pass kernel (not bit-exact)
+    attention8: bool = False  # 8-bit attention (int8 Q K^T, fp8 P V) instead of SDPA (not bit-exact)
     compiled: bool = False  # the blocks through their regional torch.compile graphs
     cuda_graphs: bool = False  # each step replayed from a CUDA graph (bit-identical to eager)
     # The transformer's lifetime form (converted once when a high replica starts, not per batch): fp8 linear layers,
@@ -41,8 +42,8 @@ class TierPlan:
     step_cache: float | None = None
 
     def __post_init__(self) -> None:
-        if self.quality == "lossless" and (self.mount_gelu or self.fast_norm or self.compiled or self.fp8
-                                           or self.fused_projections or self.step_cache is not None):
+        if self.quality == "lossless" and (self.mount_gelu or self.fast_norm or self.attention8 or self.compiled
+                                           or self.fp8 or self.fused_projections or self.step_cache is not None):
             raise ValueError(f"a lossless plan may not switch on non-exact kernels, compiled blocks or a converted "
                              f"(fp8 / fused-projection) transformer: {self}")
         if self.step_cache is not None and self.cuda_graphs:
@@ -53,7 +54,7 @@ class TierPlan:
             raise ValueError("a compiled batch never replays CUDA graphs")
 
 
-def plan_tier(quality: Quality, *, fast_norm: bool = False, compiled: bool = False,
+def plan_tier(quality: Quality, *, fast_norm: bool = False, attention8: bool = False, compiled: bool = False,
               cuda_graphs: bool = False, fp8: bool = False, fused_projections: bool = False,
               step_cache: float | None = None) -> TierPlan:
     """The plan of one batch: `high` mounts the GELU sites (unless fp8 layers take the GELU) and takes the opt-ins
@@ -61,7 +62,8 @@ def plan_tier(quality: Quality, *, fast_norm: bool = False, compiled: bool = Fal
     fp8 / fused_projections describe the transformer's form: a lossless plan for a converted transformer raises."""
     high = quality == "high"
     cache = step_cache if high else None
-    return TierPlan(quality, mount_gelu=high and not fp8, fast_norm=high and fast_norm, compiled=high and compiled,
+    return TierPlan(quality, mount_gelu=high and not fp8, fast_norm=high and fast_norm,
+                    attention8=high and attention8, compiled=high and compiled,
                     cuda_graphs=cuda_graphs and not (high and compiled) and cache is None, fp8=fp8,
                     fused_projections=fused_projections, step_cache=cache)
 
@@ -72,6 +74,7 @@ class TierReport:
 
     mounted_sites: int = 0
     fast_norm_sites: int = 0
+    attention8_sites: int = 0
     mount_report: Any = None  # kernels.MountReport of the GELU mount, when the plan mounts
     step_cache: Any = None  # the batch's model.flux.FirstBlockCache (its computed / skipped step counts)
 
@@ -80,6 +83,7 @@ def _restore_lossless(transformer: torch.nn.Module) -> None:
     if kernels.mounted_sites(transformer):
         kernels.unmount(transformer)
     set_fast_norm(transformer, False)
+    set_attention8(transformer, False)
 
 
 @contextmanager
@@ -106,6 +110,9 @@ def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
         if plan.fast_norm:
             set_fast_norm(transformer, True)
             report.fast_norm_sites = fast_norm_sites(transformer)
+        if plan.attention8:
+            set_attention8(transformer, True)
+            report.attention8_sites = attention8_sites(transformer)
         if plan.compiled:
             if block_runners is None:
                 raise ValueError("a compiled plan needs the compiled block runners")
@@ -114,9 +121,9 @@ def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
             if step_graphs is None:
                 raise ValueError("a CUDA-graph plan needs the step-graph cache")
             # Mounted / switched sites run other kernels than lossless: a separate graph per (tier, mounted GELU
-            # sites, fast norm sites). (A transformer's fp8 / fused form is set before any capture: converting
-            # drops the graphs.)
-            step_graphs.mode = (plan.quality, report.mounted_sites, report.fast_norm_sites)
+            # sites, fast norm sites, 8-bit attention sites). (A transformer's fp8 / fused form is set before any
+            # capture: converting drops the graphs.)
+            step_graphs.mode = (plan.quality, report.mounted_sites, report.fast_norm_sites, report.attention8_sites)
             graphs = step_graphs
         if plan.step_cache is not None:
             report.step_cache = FirstBlockCache(plan.step_cache)

@@ -522,7 +522,7 @@ def test_fast_norm_switches_for_high_batches_only(tiny_pipe, monkeypatch) -> Non
     hook = model.register_forward_pre_hook(lambda m, a: seen.append(fast_norm_sites(m)))
     try:
         assert tiny_pipe.generate([high_req])[0].fast_norm_sites == 0 and seen == [0, 0]  # CPU: refused
-        monkeypatch.setattr(type(tiny_pipe), "_fast_norm_applies", lambda self: True)
+        monkeypatch.setattr(type(tiny_pipe), "_cuda_half", lambda self: True)
         seen.clear()
         high = tiny_pipe.generate([high_req])[0]
         assert high.fast_norm_sites == n_sites and seen == [n_sites, n_sites]

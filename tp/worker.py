@@ -40,6 +40,7 @@ class TPWorker:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         cpu_threads: int | None = None,
         fast_norm: bool = False,
+        attention8: bool = False,
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self.model_path_or_preset = model_path_or_preset
@@ -50,6 +51,7 @@ class TPWorker:
         self.timeout_s = timeout_s
         self.cpu_threads = cpu_threads
         self.fast_norm = fast_norm  # "high" batches: fast LayerNorm+modulate (a local, rank-independent choice)
+        self.attention8 = attention8  # "high" batches: 8-bit attention over this rank's heads (likewise local)
         self.group = None
         self.ctrl_group = None
         self.pipe = None
@@ -84,6 +86,7 @@ class TPWorker:
         check_replicas_identical(pipe.transformer, self.ctrl_group)
         shard_flux_transformer(pipe.transformer, self.rank, self.world_size, self.group)
         pipe.high_fast_norm = self.fast_norm
+        pipe.high_attention8 = self.attention8
         self.pipe = pipe
         return {
             "rank": self.rank,

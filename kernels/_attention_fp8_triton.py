@@ -1,0 +1,179 @@
+"""Triton kernels of kernels/attention.py (not bit-exact): 8-bit attention for the `high` tier.
+
+Q K^T in int8 and P V in fp8 e4m3 (SageAttention 2's split: int8 keeps the logits ~3x closer than e4m3's 3-bit
+mantissa would; P and V are fine in e4m3), both with 32-bit accumulation. Two launches. `quantize_qkv` reads q, k, v
+in their [B, S, H, D] layout once and writes head-major 8-bit copies: q with one scale per token (its row's amax over
+D), k and v with one scale per 128-token block (a scalar per key tile in the loop: no extra per-element multiply), v
+transposed ([D, S]: an fp8 GEMM wants its reduction dimension contiguous). `attention` is a flash-attention forward over them:
+softmax in fp32, P scaled by 448 before its fp8 cast (so that small
+probabilities keep e4m3's mantissa instead of flushing to zero).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._lossless_triton import _interpreting
+
+VBLOCK = 128  # tokens per v scale; S is padded to a multiple of it (the attention tiles divide it)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _int8_rows(x):
+    """fp32 tile -> (int8 values rounded half away from zero, fp32 scale per row): row amax -> 127."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / 127.0
+    y = x / scale[:, None]
+    return tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8), scale
+
+
+@triton.jit
+def _int8_tile(x):
+    """fp32 tile -> (int8 values, one fp32 scale): tile amax -> 127."""
+    scale = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-12) / 127.0
+    y = x / scale
+    return tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8), scale
+
+
+@triton.jit
+def _fp8_tile(x):
+    """fp32 tile -> (values / scale within e4m3's range, one fp32 scale): tile amax -> 448 (cast by the caller)."""
+    scale = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-12) / 448.0
+    return tl.minimum(tl.maximum(x / scale, -448.0), 448.0), scale
+
+
+@triton.jit
+def _quantize_qkv_kernel(
+    q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, v8t_ptr, qs_ptr, ks_ptr, vs_ptr,
+    S, S_PAD, H, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
+    D: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # Program (token block, batch * head). INTERPRET: v's output is fp32 and the wrapper rounds it to fp8.
+    blk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    toks = blk * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    ok = (toks < S)[:, None]
+    head = bh * S_PAD * D  # [B, H, S_PAD, D] outputs
+    out = head + toks[:, None] * D + d[None, :]
+
+    x = tl.load(q_ptr + b * q_sb + toks[:, None] * q_ss + h * q_sh + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    y, s = _int8_rows(x)
+    tl.store(q8_ptr + out, y)
+    tl.store(qs_ptr + bh * S_PAD + toks, s)
+
+    x = tl.load(k_ptr + b * k_sb + toks[:, None] * k_ss + h * k_sh + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    y, s = _int8_tile(x)
+    tl.store(k8_ptr + out, y)
+    tl.store(ks_ptr + bh * (S_PAD // BLOCK) + blk, s)
+
+    x = tl.load(v_ptr + b * v_sb + toks[:, None] * v_ss + h * v_sh + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    y, s = _fp8_tile(x)
+    if not INTERPRET:
+        y = y.to(tl.float8e4nv)
+    tl.store(v8t_ptr + head + d[None, :] * S_PAD + toks[:, None], y)  # transposed: [B, H, D, S_PAD]
+    tl.store(vs_ptr + bh * (S_PAD // BLOCK) + blk, s)
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v [B, S, H, D] (unit last strides) -> q8, k8 [B, H, S_pad, D] (int8), v8t [B, H, D, S_pad] (fp8), all zero
+    past S,
+    q / k scales [B, H, S_pad] and v scales [B, H, S_pad / VBLOCK] (fp32)."""
+    B, S, H, D = q.shape
+    s_pad = triton.cdiv(S, VBLOCK) * VBLOCK
+    interpret = _interpreting()
+    q8 = torch.empty((B, H, s_pad, D), dtype=torch.int8, device=q.device)
+    k8 = torch.empty_like(q8)
+    v8t = torch.empty((B, H, D, s_pad), dtype=torch.float32 if interpret else torch.float8_e4m3fn, device=q.device)
+    qs = torch.empty((B, H, s_pad), dtype=torch.float32, device=q.device)
+    vs = torch.empty((B, H, s_pad // VBLOCK), dtype=torch.float32, device=q.device)
+    ks = torch.empty_like(vs)
+    _quantize_qkv_kernel[(s_pad // VBLOCK, B * H)](
+        q, k, v, q8, k8, v8t, qs, ks, vs, S, s_pad, H,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        D=D, BLOCK=VBLOCK, INTERPRET=interpret, num_warps=8,
+    )
+    if interpret:
+        v8t = v8t.to(torch.float8_e4m3fn)
+    return q8, k8, v8t, qs, ks, vs
+
+
+@triton.jit
+def _attention_kernel(
+    q8_ptr, k8_ptr, v8t_ptr, qs_ptr, ks_ptr, vs_ptr, o_ptr,
+    S, S_PAD, H, o_sb, o_ss, o_sh, qk_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VB: tl.constexpr, EVEN: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # Program (query block, batch * head): the online-softmax loop over all key blocks (no mask, not causal).
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, D)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = bh * S_PAD * D
+    q = tl.load(q8_ptr + head + rows[:, None] * D + d[None, :])
+    q_scale = tl.load(qs_ptr + bh * S_PAD + rows) * qk_scale  # softmax scale and log2(e) folded in: exp2 below
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for n0 in range(0, S_PAD, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k8_ptr + head + cols[:, None] * D + d[None, :])
+        kv_blk = bh * (S_PAD // VB) + n0 // VB
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * (q_scale * tl.load(ks_ptr + kv_blk))[:, None]
+        if not EVEN:
+            s = tl.where((cols < S)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v8t_ptr + head + d[:, None] * S_PAD + cols[None, :])
+        v_scale = tl.load(vs_ptr + kv_blk)
+        p = p * 448.0
+        if not INTERPRET:
+            p = p.to(tl.float8e4nv)
+        acc = acc * alpha[:, None] + tl.dot(p, tl.trans(vt)) * (v_scale / 448.0)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + b * o_sb + rows[:, None] * o_ss + h * o_sh + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=(rows < S)[:, None])
+
+
+# Tiles measured on the GPU at first use per (S_PAD, D): each divides VBLOCK.
+_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+            for m, n, w, st in ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3),
+                                (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 4, 3))]
+_attention_tuned = triton.autotune(configs=_CONFIGS, key=["S_PAD", "D", "EVEN"])(_attention_kernel)
+
+
+def attend_quantized(q8: torch.Tensor, k8: torch.Tensor, v8t: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor,
+                     vs: torch.Tensor, out: torch.Tensor, seq: int | None = None) -> torch.Tensor:
+    """The attention launch over `quantize_qkv`'s outputs, into `out` [B, S, H, D] (unit last stride)."""
+    B, H, s_pad, D = q8.shape
+    S = out.shape[1] if seq is None else seq
+    args = (q8, k8, v8t, qs, ks, vs, out, S, s_pad, H, out.stride(0), out.stride(1), out.stride(2),
+            _LOG2E / math.sqrt(D))
+    if _interpreting():  # fp8 is not a type the interpreter computes in: v's values as fp32, P not rounded
+        _attention_kernel[(s_pad // 64, B * H)](q8, k8, v8t.float(), *args[3:], D=D, BLOCK_M=64, BLOCK_N=64,
+                                                VB=VBLOCK, EVEN=S == s_pad, INTERPRET=True)
+        return out
+    _attention_tuned[lambda m: (s_pad // m["BLOCK_M"], B * H)](*args, D=D, VB=VBLOCK, EVEN=S == s_pad,
+                                                                INTERPRET=False)
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v for q, k, v [B, S, H, D] (bf16/fp16, unit last strides) -> [B, S, H, D] in q's
+    dtype (written into `out` when given: any [B, S, H, D] view with a unit last stride)."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return attend_quantized(*quantize_qkv(q, k, v), out)

@@ -1,0 +1,199 @@
+"""8-bit attention (kernels/attention.py: int8 Q K^T, fp8 P V) and its place in the high tier.
+
+CPU: the Triton kernels in the interpreter against the eager twin (P unrounded there, as the interpreter runs them);
+the eager twin within a bound of fp32 attention, and far from it when a scale is wrong; refusals fall back to SDPA
+bit for bit; the tier plan, `applied_tier`, the pipeline and the config. GPU (`-m gpu`): the kernel against its
+eager twin and fp32 attention on FLUX.1-dev-shaped heads, written into a strided view, and a high batch through it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels.attention as A
+from deployments.config import AppArgs
+from model.flux import FluxTransformer, attention8_sites
+from model.loading import load_pipeline
+from model.pipeline import GenerationRequest
+from model.tiers import TierPlan, applied_tier, plan_tier
+from tests._interpret import run_in_interpreter
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _qkv(B: int, S: int, H: int, D: int, gain: float = 1.5, seed: int = 0, device: str = "cpu",
+         dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    """q and k RMS-normed per head (as FLUX's QK norm leaves them) times `gain`, v Gaussian."""
+    g = torch.Generator().manual_seed(seed)
+
+    def normed() -> torch.Tensor:
+        x = torch.randn(B, S, H, D, generator=g)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
+
+    return tuple(t.to(device, dtype) for t in (normed(), normed(), torch.randn(B, S, H, D, generator=g)))
+
+
+_PROBE = r"""
+import torch
+from kernels import attention as A
+from kernels import _attention_fp8_triton as T
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+torch.manual_seed(0)
+for B, S, H, D in ((1, 200, 2, 64), (2, 256, 3, 32)):  # S past a 128 block (masked keys) and exactly two blocks
+    qkv = torch.randn(B, S, 3 * H * D + 8)  # q, k, v as strided views of one projection output
+    q, k, v = (qkv[..., i * H * D:(i + 1) * H * D].unflatten(-1, (H, D)) for i in range(3))
+    q8, k8, v8t, qs, ks, vs = T.quantize_qkv(q, k, v)
+    s_pad = -(-S // 128) * 128
+    assert q8.dtype == k8.dtype == torch.int8 and v8t.dtype == torch.float8_e4m3fn
+    assert q8.shape == (B, H, s_pad, D) and v8t.shape == (B, H, D, s_pad) and ks.shape == vs.shape == (B, H, s_pad // 128)
+    assert (q8[:, :, S:] == 0).all() and (v8t[..., S:].float() == 0).all()  # padding is zero
+    assert q8.abs().amax(-1)[:, :, :S].eq(127).all()  # each q row's amax maps to 127
+    joint = torch.zeros(B, S, H * D + 5)
+    out = joint[..., 5:].unflatten(-1, (H, D))  # written into a strided view
+    T.attention(q, k, v, out)
+    twin = A.fp8_attention_eager(q, k, v, round_p=False)
+    assert rel(out, twin) < 1e-5, (B, S, rel(out, twin))
+    assert (joint[..., :5] == 0).all()
+print("8-bit attention ok")
+"""
+
+
+def test_the_kernels_in_the_interpreter_equal_the_eager_twin() -> None:
+    """Quantization layout (int8 q/k, transposed fp8 v, zero padding, scales), masked key blocks, two sizes of head,
+    strided inputs and a strided output against the eager twin (which leaves P unrounded like the interpreter)."""
+    run_in_interpreter(_PROBE, "8-bit attention ok")
+
+
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_the_eager_twin_stays_within_a_bound_of_fp32_attention(D: int) -> None:
+    q, k, v = _qkv(1, 300, 4, D)
+    ref = A.sdpa(q, k, v)
+    err = _rel(A.fp8_attention_eager(q, k, v), ref)
+    assert err < 0.06, err  # int8 logits + e4m3 P and V on random data (measured 0.03-0.04)
+    assert _rel(A.fp8_attention_eager(q, k, v, round_p=False), ref) < err  # P's rounding is part of the error
+    wrong = A.fp8_attention_eager(q, k * 2, v)  # what a lost k scale would do: the bound notices
+    assert _rel(wrong, ref) > 0.2
+
+
+def test_refusals_fall_back_to_sdpa_bit_for_bit_and_are_logged_once(caplog) -> None:
+    q, k, v = _qkv(1, 40, 2, 64)
+    assert "CUDA" in A.fp8_attention_refusal(q, k, v)
+    caplog.set_level(logging.WARNING, logger="kernels.attention")
+    A._refusals_logged.clear()
+    for _ in range(2):
+        assert torch.equal(A.attention(q, k, v, fp8=True), A.sdpa(q, k, v))
+    assert sum("fp8 attention refused" in r.message for r in caplog.records) == 1
+    out = torch.empty(1, 40, 2, 64)
+    assert A.attention(q, k, v, fp8=True, out=out) is out and torch.equal(out, A.sdpa(q, k, v))
+
+
+def test_refusal_reasons() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("the reasons past the device check need a CUDA tensor")
+    q, k, v = _qkv(1, 40, 2, 64, device="cuda", dtype=torch.bfloat16)
+    assert A.fp8_attention_refusal(q.float(), k.float(), v.float()) is not None
+    assert "mask" in A.fp8_attention_refusal(q, k, v, torch.ones(1, 40, dtype=torch.bool, device="cuda"))
+    q48, k48, v48 = _qkv(1, 40, 2, 48, device="cuda", dtype=torch.bfloat16)
+    assert "head sizes" in A.fp8_attention_refusal(q48, k48, v48)
+
+
+def test_the_lossless_plan_refuses_attention8_and_the_high_plan_takes_it() -> None:
+    with pytest.raises(ValueError, match="lossless plan"):
+        TierPlan("lossless", attention8=True)
+    assert not plan_tier("lossless", attention8=True).attention8
+    assert plan_tier("high", attention8=True) == TierPlan("high", mount_gelu=True, attention8=True)
+
+
+def test_applied_tier_switches_every_attention_and_restores_sdpa_even_on_error() -> None:
+    model = FluxTransformer(in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=32,
+                            num_attention_heads=4, joint_attention_dim=48, pooled_projection_dim=24,
+                            axes_dims_rope=(8, 12, 12))
+    with pytest.raises(RuntimeError, match="boom"):
+        with applied_tier(model, TierPlan("high", attention8=True)) as report:
+            assert report.attention8_sites == attention8_sites(model) == 3
+            raise RuntimeError("boom")
+    assert attention8_sites(model) == 0
+
+
+def test_the_pipeline_plans_attention8_for_high_on_cuda_half_only(tiny_path: Path, monkeypatch) -> None:
+    pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    pipe.high_attention8 = True
+    assert not pipe.plan("high").attention8  # CPU fp32: SDPA stays
+    monkeypatch.setattr(type(pipe), "_cuda_half", lambda self: True)
+    assert pipe.plan("high").attention8 and not pipe.plan("lossless").attention8
+    seen: list[int] = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a: seen.append(attention8_sites(m)))
+    try:
+        req = GenerationRequest("a red circle", height=64, width=64, steps=1, seed=0, quality="high")
+        high = pipe.generate([req])[0]
+        lossless = pipe.generate([GenerationRequest("a red circle", height=64, width=64, steps=1, seed=0)])[0]
+    finally:
+        hook.remove()
+    n = sum(1 for m in pipe.transformer.modules() if hasattr(m, "attention8"))
+    assert high.attention8_sites == n > 0 and lossless.attention8_sites == 0 and seen == [n, 0]
+    assert attention8_sites(pipe.transformer) == 0
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"pools": {"lossless": {"attention8": True}}}, "high pool only"),
+    ({"pools": {"high": {"attention8": 1}}}, "true or false"),
+])
+def test_bad_attention8_options_are_config_errors(raw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AppArgs.parse(raw)
+
+
+def test_the_high_pool_takes_attention8() -> None:
+    assert AppArgs.parse({"pools": {"high": {"attention8": True}}}).pools["high"].attention8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+_needs_fp8 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an fp8 GPU")
+
+
+@pytest.mark.gpu
+@_needs_fp8
+@pytest.mark.parametrize("S, D", [(4608, 128), (1000, 64), (300, 32)])
+def test_gpu_kernel_against_its_twin_and_fp32_attention(S: int, D: int) -> None:
+    q, k, v = _qkv(1, S, 24 if D == 128 else 4, D, gain=2.0, device="cuda", dtype=torch.bfloat16)
+    out = A.attention(q, k, v, fp8=True)
+    twin = A.fp8_attention_eager(q, k, v)
+    ref = A.sdpa(q.float(), k.float(), v.float())
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert _rel(out, twin) < 0.02, _rel(out, twin)  # P rounded against the running max vs the global one
+    assert _rel(out, ref) < 0.06, _rel(out, ref)
+
+
+@pytest.mark.gpu
+@_needs_fp8
+def test_gpu_kernel_writes_into_a_strided_view() -> None:
+    q, k, v = _qkv(2, 333, 4, 64, device="cuda", dtype=torch.bfloat16)
+    joint = torch.zeros(2, 333, 4 * 64 + 16, device="cuda", dtype=torch.bfloat16)
+    out = joint[..., :256].unflatten(-1, (4, 64))
+    assert A.attention(q, k, v, fp8=True, out=out) is out
+    assert torch.equal(out, A.attention(q, k, v, fp8=True)) and (joint[..., 256:] == 0).all()
+
+
+@pytest.mark.gpu
+@_needs_fp8
+def test_gpu_high_batch_with_attention8(tiny_path: Path) -> None:
+    pipe = load_pipeline(str(tiny_path), device="cuda", dtype=torch.bfloat16)
+    req = GenerationRequest("a red circle", height=128, width=128, steps=2, seed=0, quality="high")
+    plain = pipe.generate([req])[0]
+    pipe.high_attention8 = True
+    r = pipe.generate([req])[0]
+    assert r.attention8_sites > 0 and attention8_sites(pipe.transformer) == 0
+    assert _rel(r.latents, plain.latents) < 0.1 and not torch.equal(r.latents, plain.latents)
