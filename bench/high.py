@@ -55,6 +55,11 @@ class Variant:
     mount_gelu: bool = True  # the current high tier's GELU sites (no effect where fp8 takes the GELU)
     step_cache: float | None = None  # First-Block-Cache threshold: end to end only (a single step never skips)
     norm_producer: bool = False  # fp8 forms: norms quantize their own output (switch fp8_norm_producer)
+    attention8: bool = False  # 8-bit attention (int8 Q K^T, fp8 P V) instead of SDPA
+
+    def switches(self) -> Any:
+        """The kernel switches this variant sets around each of its calls (step and end to end)."""
+        return kernels.switches.override(fp8_norm_producer=self.norm_producer)
 
 
 VARIANTS = [
@@ -68,6 +73,15 @@ VARIANTS = [
             fast_norm=True, norm_producer=True),
     Variant("high + fp8 + fused_projections + fast_norm + cuda_graphs", fp8=True, fused_projections=True,
             fast_norm=True, cuda_graphs=True),
+    Variant("high + attention8", attention8=True),
+    Variant("high + fp8 + fused_projections + fast_norm + attention8", fp8=True, fused_projections=True,
+            fast_norm=True, attention8=True),
+    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + attention8", fp8=True,
+            fused_projections=True, fast_norm=True, norm_producer=True, attention8=True),
+    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + cuda_graphs", fp8=True,
+            fused_projections=True, fast_norm=True, norm_producer=True, cuda_graphs=True),
+    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + attention8 + cuda_graphs", fp8=True,
+            fused_projections=True, fast_norm=True, norm_producer=True, attention8=True, cuda_graphs=True),
     Variant("high + fp8 + fused_projections + step_cache 0.1", fp8=True, fused_projections=True, step_cache=0.1),
 ]
 
@@ -105,6 +119,7 @@ def build_variants(ours: FluxServePipeline, variants: list[Variant]) -> tuple[di
         pipe = FluxServePipeline(forms[key], source=ours.source)
         pipe.fused_projections, pipe.fp8 = key
         pipe.high_fast_norm = v.fast_norm
+        pipe.high_attention8 = v.attention8
         pipe.high_step_cache = v.step_cache
         if v.cuda_graphs:
             pipe.enable_cuda_graphs()
@@ -137,12 +152,11 @@ def step_fn(pipe: FluxServePipeline | Any, v: Variant | None, inputs: dict[str, 
         return lambda: transformer(**inputs)
     plan = pipe.plan("high", compiled=False, cuda_graphs=v.cuda_graphs)
     if not v.mount_gelu:
-        plan = plan_tier("high", fast_norm=plan.fast_norm, cuda_graphs=plan.cuda_graphs, fp8=plan.fp8,
-                         fused_projections=plan.fused_projections)
+        plan = plan_tier("high", fast_norm=plan.fast_norm, attention8=plan.attention8, cuda_graphs=plan.cuda_graphs,
+                         fp8=plan.fp8, fused_projections=plan.fused_projections)
 
     def call() -> Any:
-        with kernels.switches.override(fp8_norm_producer=v.norm_producer), \
-                applied_tier(transformer, plan, step_graphs=pipe.step_graphs):
+        with v.switches(), applied_tier(transformer, plan, step_graphs=pipe.step_graphs):
             return transformer(**inputs)
 
     return call
@@ -186,8 +200,10 @@ def kernel_families(fn: Callable[[], Any], runs: int = 3) -> dict[str, float]:
         if not us:
             continue
         name = evt.key.lower()
-        if "quant_rows" in name:
+        if "quant_rows" in name or "ln_modulate_quant" in name:
             f = "fp8 activation quantization (Triton)"
+        elif "quantize_qkv" in name:
+            f = "attention: 8-bit quantization of q, k, v"
         elif any(s in name for s in ("fmha", "flash", "attention", "sdpa", "cudnn")):
             f = "attention"
         elif any(s in name for s in ("gemm", "xmma", "cutlass", "nvjet", "matmul", "_mm_", "sm90", "cublas")):
@@ -213,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--e2e-repeats", type=int, default=3)
     ap.add_argument("--prompt", default="a photo of a red fox in fresh snow, golden hour, 35mm film")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", nargs="+", default=None, help="variant names to run (default: all)")
     ap.add_argument("--high-set", default="high + fp8 + fused_projections",
                     help="the variant reported as `high` (default: what serve_config.yaml turns on for the pool)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "high-h200.json"))
@@ -225,10 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     text_tokens = min(512, ours.pipe.tokenizer_2.model_max_length)
     print(f"built {args.model} in {build_s:.1f}s", flush=True)
 
-    variants, errors = build_variants(ours, VARIANTS)
+    chosen = [v for v in VARIANTS if args.only is None or v.name in args.only]
+    if args.only is not None and len(chosen) != len(set(args.only)):
+        raise SystemExit(f"--only: unknown variant(s) {sorted(set(args.only) - {v.name for v in chosen})}")
+    variants, errors = build_variants(ours, chosen)
     for name, err in errors.items():
         print(f"variant {name!r} not built: {err}", flush=True)
-    by_name = {v.name: v for v in VARIANTS}
+    by_name = {v.name: v for v in chosen}
     if torch.cuda.is_available():
         print(f"memory allocated: {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
 
@@ -261,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         return GenerationRequest(args.prompt, height=args.size, width=args.size, steps=steps, seed=args.seed,
                                  quality=quality)
 
+    def high_generate(pipe: FluxServePipeline, v: Variant) -> Any:
+        with v.switches():
+            return pipe.generate([req("high", args.e2e_steps)], compiled=False)
+
     quality: dict[str, dict[str, Any]] = defaultdict(dict)
     md5_equal: dict[int, bool] = {}
     for steps in args.steps:
@@ -269,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         md5_equal[steps] = md5(png_ref[0]) == md5(lossless.png) and bool(torch.equal(lat_ref[0], lossless.latents))
         for name, pipe in variants.items():
             try:
-                r = pipe.generate([req("high", steps)], compiled=False)[0]
+                with by_name[name].switches():
+                    r = pipe.generate([req("high", steps)], compiled=False)[0]
             except Exception:
                 errors[f"e2e {name} {steps}"] = traceback.format_exc()[-2000:]
                 continue
@@ -284,11 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         fns = {
             "diffusers": lambda: run_flux_pipeline(reference, [req("lossless", args.e2e_steps)]),
             "lossless": lambda: ours.generate([req("lossless", args.e2e_steps)], cuda_graphs=False),
-            "high": lambda: variants[high_name].generate([req("high", args.e2e_steps)], compiled=False),
+            "high": lambda: high_generate(variants[high_name], by_name[high_name]),
         }
         for name in variants:  # the step cache shows only end to end
             if by_name[name].step_cache is not None:
-                fns[name] = (lambda n: lambda: variants[n].generate([req("high", args.e2e_steps)]))(name)
+                fns[name] = (lambda n: lambda: high_generate(variants[n], by_name[n]))(name)
         times: dict[str, list[float]] = defaultdict(list)
         for i in range(1 + args.e2e_repeats):
             for name, fn in fns.items():
@@ -308,9 +333,10 @@ def main(argv: list[str] | None = None) -> int:
 
     b1 = step.get("batch1", {})
     techniques = []
-    for v in VARIANTS:
+    for v in chosen:
         row: dict[str, Any] = {"name": v.name, "fused_projections": v.fused_projections, "fp8": v.fp8,
-                               "fast_norm": v.fast_norm, "cuda_graphs": v.cuda_graphs, "step_cache": v.step_cache}
+                               "fast_norm": v.fast_norm, "cuda_graphs": v.cuda_graphs, "step_cache": v.step_cache,
+                               "fp8_norm_producer": v.norm_producer, "attention8": v.attention8}
         if v.name in e2e:
             row["e2e_s"] = e2e[v.name]
             row["e2e_speedup_vs_diffusers"] = e2e["diffusers"] / e2e[v.name]

@@ -23,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kernels import switches  # noqa: E402
 from model.loading import load_pipeline  # noqa: E402
 from model.toy.adherence import held_out_prompts, measure  # noqa: E402
 
@@ -87,8 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         bf16.high_step_cache = 0.1
         run("high_bf16_step_cache_0.1", bf16, "high", fast_norm=True, step_cache=0.1)
         bf16.high_step_cache = None
+        bf16.high_attention8 = True
+        run("high_bf16_attention8", bf16, "high", fast_norm=True, attention8=True)
+        bf16.high_attention8 = False
         form = bf16.convert_for_high(fp8=bf16.fp8_refusal() is None, fused_projections=True)
         run("high_bf16_converted", bf16, "high", fast_norm=True, form=form)
+        bf16.high_attention8 = True
+        with switches.override(fp8_norm_producer=True):
+            run("high_bf16_converted_attention8_norm_producer", bf16, "high", fast_norm=True, form=form,
+                attention8=True, fp8_norm_producer=True)
         result["adherence_high"] = result["adherence"]["high_bf16"]["adherence"]
     result["adherence_lossless"] = result["adherence"]["lossless"]["adherence"]
     out = Path(a.out or ROOT / "bench" / "results" / f"toy-adherence-{a.device.split(':')[0]}.json")
