@@ -328,11 +328,11 @@ def test_pipeline_uses_graphs_per_batch_with_its_mode_never_compiled(tiny_path: 
     spy = _StepSpy(pipe.transformer)
     try:
         graphed = pipe.generate([_req(1)])[0]
-        assert spy.seen == [("lossless", 0, 0)] * 2
+        assert spy.seen == [("lossless", 0, 0, 0)] * 2  # (tier, GELU sites, fast norms, 8-bit attentions)
         assert execution_of(pipe.transformer) is None  # only during its batch
         spy.seen.clear()
         pipe.generate([_req(2, "high")])
-        assert spy.seen == [("high", 0, 0)] * 2  # the CPU mounts nothing
+        assert spy.seen == [("high", 0, 0, 0)] * 2  # the CPU mounts nothing
         spy.seen.clear()
         pipe.generate([_req(1)], cuda_graphs=False)
         assert spy.seen == [None] * 2
