@@ -1,12 +1,14 @@
 """Triton kernels of kernels/attention.py (not bit-exact): 8-bit attention for the `high` tier.
 
 Q K^T in int8 and P V in fp8 e4m3 (SageAttention 2's split: int8 keeps the logits ~3x closer than e4m3's 3-bit
-mantissa would; P and V are fine in e4m3), both with 32-bit accumulation. Two launches. `quantize_qkv` reads q, k, v
-in their [B, S, H, D] layout once and writes head-major 8-bit copies: q with one scale per token (its row's amax over
-D), k and v with one scale per 128-token block (a scalar per key tile in the loop: no extra per-element multiply), v
-transposed ([D, S]: an fp8 GEMM wants its reduction dimension contiguous). `attention` is a flash-attention forward over them:
-softmax in fp32, P scaled by 448 before its fp8 cast (so that small
-probabilities keep e4m3's mantissa instead of flushing to zero).
+mantissa would; P and V are fine in e4m3), both with 32-bit accumulation. `quantize_qkv` reads q, k, v in their
+[B, S, H, D] layout once and writes head-major 8-bit copies: q with one scale per token (its row's amax over D), k
+with one per 128-token block (a scalar per key tile in the loop), v with one per channel over all tokens (a channel's
+scale multiplies the output column once, after the loop), v transposed ([D, S]: an fp8 GEMM wants its reduction
+dimension contiguous). `attention` is a flash-attention forward over them whose softmax costs one FMA, one exp2 and
+one add per logit: the q and k scales and the softmax scale fold into a per-row factor, P is scaled by 448 inside the
+exp2 (so that small probabilities keep e4m3's mantissa instead of flushing to zero; the row sum carries the same
+factor and cancels it), and P V accumulates straight into the output tile.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import triton.language as tl
 
 from ._lossless_triton import _interpreting
 
-VBLOCK = 128  # tokens per v scale; S is padded to a multiple of it (the attention tiles divide it)
+VBLOCK = 128  # tokens per k scale; S is padded to a multiple of it (the attention tiles divide it)
 _LOG2E = 1.4426950408889634
+_LOG2_448 = tl.constexpr(8.807354922057604)  # P = exp2(logit - max + log2(448)) <= 448, e4m3's largest value
 
 
 @triton.jit
@@ -40,15 +43,8 @@ def _int8_tile(x):
 
 
 @triton.jit
-def _fp8_tile(x):
-    """fp32 tile -> (values / scale within e4m3's range, one fp32 scale): tile amax -> 448 (cast by the caller)."""
-    scale = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-12) / 448.0
-    return tl.minimum(tl.maximum(x / scale, -448.0), 448.0), scale
-
-
-@triton.jit
 def _quantize_qkv_kernel(
-    q_ptr, k_ptr, v_ptr, q8_ptr, k8_ptr, v8t_ptr, qs_ptr, ks_ptr, vs_ptr,
+    q_ptr, k_ptr, v_ptr, vs_ptr, q8_ptr, k8_ptr, v8t_ptr, qs_ptr, ks_ptr,
     S, S_PAD, H, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
     D: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -74,11 +70,11 @@ def _quantize_qkv_kernel(
     tl.store(ks_ptr + bh * (S_PAD // BLOCK) + blk, s)
 
     x = tl.load(v_ptr + b * v_sb + toks[:, None] * v_ss + h * v_sh + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    y, s = _fp8_tile(x)
+    y = x / tl.load(vs_ptr + bh * D + d)[None, :]  # the channel's amax over all tokens -> 448
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     if not INTERPRET:
         y = y.to(tl.float8e4nv)
     tl.store(v8t_ptr + head + d[None, :] * S_PAD + toks[:, None], y)  # transposed: [B, H, D, S_PAD]
-    tl.store(vs_ptr + bh * (S_PAD // BLOCK) + blk, s)
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -92,10 +88,11 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     k8 = torch.empty_like(q8)
     v8t = torch.empty((B, H, D, s_pad), dtype=torch.float32 if interpret else torch.float8_e4m3fn, device=q.device)
     qs = torch.empty((B, H, s_pad), dtype=torch.float32, device=q.device)
-    vs = torch.empty((B, H, s_pad // VBLOCK), dtype=torch.float32, device=q.device)
-    ks = torch.empty_like(vs)
+    ks = torch.empty((B, H, s_pad // VBLOCK), dtype=torch.float32, device=q.device)
+    # v's channel amax over all tokens: one reduction launch (exact in v's dtype), then the scale that maps it to 448.
+    vs = torch.linalg.vector_norm(v, float("inf"), dim=1).float().clamp_(min=1e-12) / 448.0
     _quantize_qkv_kernel[(s_pad // VBLOCK, B * H)](
-        q, k, v, q8, k8, v8t, qs, ks, vs, S, s_pad, H,
+        q, k, v, vs, q8, k8, v8t, qs, ks, S, s_pad, H,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         D=D, BLOCK=VBLOCK, INTERPRET=interpret, num_warps=8,
@@ -122,36 +119,35 @@ def _attention_kernel(
     head = bh * S_PAD * D
     q = tl.load(q8_ptr + head + rows[:, None] * D + d[None, :])
     q_scale = tl.load(qs_ptr + bh * S_PAD + rows) * qk_scale  # softmax scale and log2(e) folded in: exp2 below
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of the logits, minus log2(448)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     for n0 in range(0, S_PAD, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         k = tl.load(k8_ptr + head + cols[:, None] * D + d[None, :])
-        kv_blk = bh * (S_PAD // VB) + n0 // VB
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * (q_scale * tl.load(ks_ptr + kv_blk))[:, None]
+        row_scale = q_scale * tl.load(ks_ptr + bh * (S_PAD // VB) + n0 // VB)  # > 0: max commutes with it
+        s = tl.dot(q, tl.trans(k)).to(tl.float32)
         if not EVEN:
             s = tl.where((cols < S)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * row_scale - _LOG2_448)
+        p = tl.math.exp2(s * row_scale[:, None] - m_new[:, None])  # 448 * softmax numerator
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         vt = tl.load(v8t_ptr + head + d[:, None] * S_PAD + cols[None, :])
-        v_scale = tl.load(vs_ptr + kv_blk)
-        p = p * 448.0
         if not INTERPRET:
             p = p.to(tl.float8e4nv)
-        acc = acc * alpha[:, None] + tl.dot(p, tl.trans(vt)) * (v_scale / 448.0)
+        acc = tl.dot(p, tl.trans(vt), acc * alpha[:, None])
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc * (tl.load(vs_ptr + bh * D + d)[None, :] / l_i[:, None])
     tl.store(o_ptr + b * o_sb + rows[:, None] * o_ss + h * o_sh + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=(rows < S)[:, None])
 
 
 # Tiles measured on the GPU at first use per (S_PAD, D): each divides VBLOCK.
 _CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-            for m, n, w, st in ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3),
-                                (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 4, 3))]
+            for m, n, w, st in ((128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3),
+                                (128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4),
+                                (128, 128, 4, 3))]
 _attention_tuned = triton.autotune(configs=_CONFIGS, key=["S_PAD", "D", "EVEN"])(_attention_kernel)
 
 

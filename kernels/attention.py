@@ -2,7 +2,7 @@
 
 `attention(q, k, v, mask, fp8=...)` takes q, k, v as [B, S, H, D] (the layout the projections produce) and returns
 [B, S, H, D]. With `fp8=True` and no refusal, q and k are quantized to int8 (q per token, k per 128-token block),
-v to fp8 e4m3 (per 128-token block), and Q K^T runs in int8, P V in fp8, both accumulating in 32 bits
+v to fp8 e4m3 (per channel), and Q K^T runs in int8, P V in fp8, both accumulating in 32 bits
 (kernels/_attention_fp8_triton.py): not bit-exact, for the high tier only. `fp8_attention_refusal` says why it cannot run (no CUDA, a GPU before Ada, fp32, a mask, a
 head size other than 64 or 128); the caller then gets SDPA, and the refusal is logged once per reason.
 """
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
-VBLOCK = 128  # tokens per k / v scale (the Triton kernel's block; the eager twin uses the same)
+VBLOCK = 128  # tokens per k scale (the Triton kernel's block; the eager twin uses the same)
 _HEAD_DIMS = (32, 64, 128)
 _refusals_logged: set[str] = set()
 
@@ -85,11 +85,11 @@ def fp8_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     q = query.float()
     q8, qs = _int8(q, q.abs().amax(dim=-1, keepdim=True))
     kb, S = _blocks(key.float())
-    vb, _ = _blocks(value.float())
     k8, ks = _int8(kb, kb.abs().amax(dim=(2, 4), keepdim=True))
-    v8, vs = _fp8(vb, vb.abs().amax(dim=(2, 4), keepdim=True))
     k = (k8 * ks).flatten(1, 2)[:, :S]
-    v8s = (v8 * (vs / 448.0)).flatten(1, 2)[:, :S]  # v's scale and P's 1/448 applied after the product
+    v = value.float()
+    v8, vs = _fp8(v, v.abs().amax(dim=1, keepdim=True))  # one scale per channel over all tokens
+    v8s = v8 * (vs / 448.0)  # v's scale and P's 1/448 applied after the product
     qh = (q8 * qs).permute(0, 2, 1, 3)
     s = qh @ k.permute(0, 2, 3, 1) / math.sqrt(query.shape[-1])
     p = torch.exp(s - s.amax(dim=-1, keepdim=True))

@@ -54,9 +54,11 @@ for B, S, H, D in ((1, 200, 2, 64), (2, 256, 3, 32)):  # S past a 128 block (mas
     q8, k8, v8t, qs, ks, vs = T.quantize_qkv(q, k, v)
     s_pad = -(-S // 128) * 128
     assert q8.dtype == k8.dtype == torch.int8 and v8t.dtype == torch.float8_e4m3fn
-    assert q8.shape == (B, H, s_pad, D) and v8t.shape == (B, H, D, s_pad) and ks.shape == vs.shape == (B, H, s_pad // 128)
+    assert q8.shape == (B, H, s_pad, D) and v8t.shape == (B, H, D, s_pad)
+    assert ks.shape == (B, H, s_pad // 128) and vs.shape == (B, H, D)
     assert (q8[:, :, S:] == 0).all() and (v8t[..., S:].float() == 0).all()  # padding is zero
     assert q8.abs().amax(-1)[:, :, :S].eq(127).all()  # each q row's amax maps to 127
+    assert v8t.float().abs().amax(-1).eq(448).all()  # each v channel's amax maps to 448
     joint = torch.zeros(B, S, H * D + 5)
     out = joint[..., 5:].unflatten(-1, (H, D))  # written into a strided view
     T.attention(q, k, v, out)
