@@ -288,7 +288,9 @@ def test_fp8_conversion_of_a_model_converts_every_token_linear_and_stays_close(f
             m.fuse_qkv_projections()
         twin = copy.deepcopy(m)
         kept = m.quantize_fp8()
-        got = m(**inputs)[0]
+        with kernels.switches.override(fp8_norm_producer=False):  # the consumers quantize the bf16 norm rows
+            assert not any(norm_fp8(mod) for mod in m.modules())
+            got = m(**inputs)[0]
         emulated = _fake_quantized_twin(twin, m)(**inputs)[0]
     assert kept == {}
     assert _rel(got, emulated) < 0.03, _rel(got, emulated)
@@ -300,12 +302,11 @@ def test_fp8_conversion_of_a_model_converts_every_token_linear_and_stays_close(f
     assert all(ff.gelu_in_down_proj for ff in m.modules() if isinstance(ff, flux_mod.FluxFeedForward))
     assert all(b.mlp_gelu_in_proj_out for b in m.single_transformer_blocks)
     assert _rel(got, ref) < 0.4, _rel(got, ref)  # random weights: fp8's cost here is no quality figure
-    # with the producer switched on, every norm site quantizes its own output (3 per double block, 1 per single
+    # with the producer on (the default), every norm site quantizes its own output (3 per double block, 1 per single
     # block) instead of its consumers quantizing the bf16 norm, and the model stays as close to its emulation
-    assert not any(norm_fp8(mod) for mod in m.modules())  # off by default
-    with torch.no_grad(), kernels.switches.override(fp8_norm_producer=True):
-        assert sum(norm_fp8(mod) for mod in m.modules()) == (3 * len(m.transformer_blocks)
-                                                             + len(m.single_transformer_blocks))
+    assert sum(norm_fp8(mod) for mod in m.modules()) == (3 * len(m.transformer_blocks)
+                                                         + len(m.single_transformer_blocks))
+    with torch.no_grad():
         produced = m(**inputs)[0]
     assert _rel(produced, emulated) < 0.03 and _rel(produced, got) < 0.03
 
