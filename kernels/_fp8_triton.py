@@ -49,7 +49,7 @@ def _quant_rows_kernel(
 ):
     # ROWS rows per program: pass 1 finds each row's amax (both parts), pass 2 re-reads the rows (mostly from L2)
     # and writes fp8; the GELU is recomputed in pass 2 rather than stored. (A variant holding whole rows in
-    # registers, one read instead of two, measured slower on the H200: bench/results/high-h200.md.)
+    # registers, one read instead of two, measured slower on the H200: bench/results/high-h200-session5.md.)
     # INTERPRET: q is fp32 and the wrapper rounds to fp8 (the CPU interpreter's own fp8 cast rounds wrongly; on the
     # GPU the cast is the hardware's round-to-nearest-even with saturation, like torch's).
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
