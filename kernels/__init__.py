@@ -9,6 +9,7 @@ Lossless (bit-exact with eager):
 - `layer_norm_modulate`         LayerNorm (aten's CUDA reduction order) + modulation            (kernels/modulate.py)
 - `rope_cat`, `rms_rope_cat`    QK RMSNorm + RoPE of [text; image] into the joint tensor        (kernels/rope.py)
 - `gelu_tanh_into`              tanh-GELU written into a column slice                           (kernels/gelu.py)
+- `attention.sdpa`              diffusers' native attention backend ([B, S, H, D] in and out)   (kernels/attention.py)
 
 High tier (not bit-exact):
 - `fused_linear_gelu_tanh`      Linear + tanh-GELU in one GEMM epilogue, per-shape dispatch     (kernels/gelu.py)
@@ -16,6 +17,8 @@ High tier (not bit-exact):
 - `fp8.Fp8Linear`               e4m3 weights (per-channel scales), `torch._scaled_mm`, bf16 out  (kernels/fp8.py)
 - `fp8.quantize_rows`           per-row fp8 quantization of `[a | gelu(b)]` in one pass        (kernels/_fp8_triton.py)
 - `fp8.linear_cat_gelu`         `linear(cat([a, gelu(b)]))`, the GELU inside the fp8 quantization pass
+- `layer_norm_modulate(..., fp8=True)`  LayerNorm + modulation quantized per row in the same pass (`fp8.Fp8Rows`)
+- `attention.attention(..., fp8=True)`  int8 Q K^T, fp8 P V (kernels/_attention_fp8_triton.py); SDPA where refused
 
 Sites and switches:
 - GELU sites: `mark_fused_gelu_site`, `gelu_site`, `mount` / `unmount` (all-or-nothing), `mounted_sites`
