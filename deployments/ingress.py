@@ -12,6 +12,7 @@ import base64
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -118,6 +119,22 @@ def _failure(pool: str, e: BaseException, timeout_s: float) -> tuple[int, JSONRe
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+class ClosingStream(StreamingResponse):
+    """A StreamingResponse that calls `on_close` however it ends. A body generator's own `finally` is not enough: a
+    client that leaves before Starlette starts iterating the body (while the headers go out) leaves the generator
+    unstarted, and an unstarted generator never runs its `finally`. `on_close` must be idempotent."""
+
+    def __init__(self, content: Any, on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -320,7 +337,7 @@ class Ingress:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + v.timeout_s
         t0 = time.perf_counter()
-        self._enter(pool)  # left when the stream ends, fails, or its client goes (body's finally), or below
+        self._enter(pool)  # left by close() below however the stream ends, or here when nothing was sent
         events = self.pools[pool].options(stream=True).generate_stream.remote(job, v.partial_images)
 
         async def next_event() -> tuple[int, Any]:
@@ -349,6 +366,15 @@ class Ingress:
         def encoded(png: bytes) -> str:
             return base64.b64encode(encode_image(png, v.output_format, v.output_compression)).decode()
 
+        ended = {"status": 200, "closed": False}
+
+        def close() -> None:  # once, however the stream ends
+            if not ended["closed"]:
+                ended["closed"] = True
+                self._leave(pool)
+                self.m_requests.inc(tags={"pool": pool, "status": str(ended["status"])})
+                events.cancel()  # a no-op once the stream has ended; else the client left: stop the work
+
         async def body() -> Any:
             status, event = 200, first
             try:
@@ -366,15 +392,14 @@ class Ingress:
                         "partial_image_index": event["partial_image_index"], "created_at": int(time.time()),
                         **common})
                     status, event = await next_event()
+                    ended["status"] = status
                 error = json.loads(event.body)["error"]
                 yield _sse("error", {"type": "error", "error": error})
             finally:
-                self._leave(pool)
-                self.m_requests.inc(tags={"pool": pool, "status": str(status)})
-                events.cancel()  # a no-op once the stream has ended; else the client left: stop the work
+                close()
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return ClosingStream(body(), on_close=close, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _dispatch(self, pool: str, jobs: list, timeout_s: float) -> tuple[int, Any]:
         """Send each image to the pool; (200, results) or (status, JSONResponse)."""

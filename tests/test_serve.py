@@ -881,6 +881,49 @@ def _sse_events(response: Any) -> list[tuple[str, dict]]:
     return out
 
 
+@pytest.mark.parametrize("spec", ["2.0", "2.4"])
+@pytest.mark.parametrize("leaves", [True, False])
+def test_a_stream_closes_once_also_when_its_client_leaves_before_the_body_starts(spec: str, leaves: bool) -> None:
+    """The ingress's stream cleanup (leave the in-flight gauge, count the request, cancel the work) runs exactly once
+    however the response ends: here a client that is gone while the headers are sent, under both of Starlette's
+    ASGI paths (2.4: the send fails; 2.0: a disconnect message wins the race). The body generator never starts then,
+    so its own `finally` could not have done it."""
+    from deployments.ingress import ClosingStream
+
+    started, closed = [], []
+
+    async def body() -> Any:
+        started.append(True)
+        yield b"event: x\ndata: {}\n\n"
+
+    async def receive() -> dict:
+        if leaves:
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(30)
+        return {"type": "http.disconnect"}
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        if leaves:
+            if spec == "2.4":
+                raise OSError("client gone")
+            await asyncio.sleep(30)  # the disconnect wins
+        sent.append(message)
+
+    async def call() -> None:
+        response = ClosingStream(body(), on_close=lambda: closed.append(True), media_type="text/event-stream")
+        scope = {"type": "http", "asgi": {"spec_version": spec}}
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(response(scope, receive, send), timeout=10)
+
+    asyncio.run(call())
+    assert closed == [True]
+    assert started == ([] if leaves else [True])
+    if not leaves:
+        assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+
+
 @pytest.mark.parametrize("pool", ["lossless", "high"])
 def test_stream_sends_partial_images_then_the_unstreamed_bytes(serve_app: dict, pool: str) -> None:
     """`stream: true` through the official client: `partial_images` previews (PNG, the image's size) in order, then
