@@ -145,11 +145,18 @@ def step_inputs(pipe: FluxServePipeline, batch: int, size: int, text_tokens: int
     )
 
 
-def step_fn(pipe: FluxServePipeline | Any, v: Variant | None, inputs: dict[str, Any]) -> Callable[[], Any]:
-    """One transformer forward under the variant's plan (None: a stock module, called as is)."""
+def step_fn(pipe: FluxServePipeline | Any, v: Variant | None, inputs: dict[str, Any],
+            calls: int = 1) -> Callable[[], Any]:
+    """`calls` transformer forwards under the variant's plan, entered once (None: a stock module, called as is). One
+    call per entry times a step with the batch's setup; several time steps the way a batch runs them."""
     transformer = pipe.transformer
     if v is None:
-        return lambda: transformer(**inputs)
+        def stock() -> Any:
+            for _ in range(calls):
+                out = transformer(**inputs)
+            return out
+
+        return stock
     plan = pipe.plan("high", compiled=False, cuda_graphs=v.cuda_graphs)
     if not v.mount_gelu:
         plan = plan_tier("high", fast_norm=plan.fast_norm, attention8=plan.attention8, cuda_graphs=plan.cuda_graphs,
@@ -157,17 +164,21 @@ def step_fn(pipe: FluxServePipeline | Any, v: Variant | None, inputs: dict[str, 
 
     def call() -> Any:
         with v.switches(), applied_tier(transformer, plan, step_graphs=pipe.step_graphs):
-            return transformer(**inputs)
+            for _ in range(calls):
+                out = transformer(**inputs)
+            return out
 
     return call
 
 
-def lossless_step_fn(pipe: FluxServePipeline, inputs: dict[str, Any]) -> Callable[[], Any]:
+def lossless_step_fn(pipe: FluxServePipeline, inputs: dict[str, Any], calls: int = 1) -> Callable[[], Any]:
     plan = pipe.plan("lossless", compiled=False, cuda_graphs=False)
 
     def call() -> Any:
         with applied_tier(pipe.transformer, plan):
-            return pipe.transformer(**inputs)
+            for _ in range(calls):
+                out = pipe.transformer(**inputs)
+            return out
 
     return call
 
@@ -229,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--e2e-repeats", type=int, default=3)
     ap.add_argument("--prompt", default="a photo of a red fox in fresh snow, golden hour, 35mm film")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--in-batch", type=int, default=8,
+                    help="steps per plan entry for the in-batch step time (0: skip it)")
     ap.add_argument("--only", nargs="+", default=None, help="variant names to run (default: all)")
     ap.add_argument("--high-set", default="high + fp8 + fused_projections",
                     help="the variant reported as `high` (default: what serve_config.yaml turns on for the pool)")
@@ -270,6 +283,17 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for name, t in step[f"batch{batch}"].items():
             print(f"  step batch {batch}: {name}: {t['median_ms']:.2f} ms", flush=True)
+        if args.in_batch > 0:  # steps as a batch runs them: the plan entered once for `in_batch` steps
+            n = args.in_batch
+            many = {"diffusers": step_fn(reference, None, inputs, n), "lossless": lossless_step_fn(ours, inputs, n)}
+            many.update({name: step_fn(variants[name], by_name[name], inputs, n) for name in fns if name in variants})
+            try:
+                for name, t in time_steps(many, 1, max(3, args.repeats // 2)).items():
+                    step[f"batch{batch}"][name]["in_batch_ms"] = t["median_ms"] / n
+                    print(f"  step batch {batch} within a batch: {name}: {t['median_ms'] / n:.2f} ms", flush=True)
+            except Exception:
+                errors[f"in-batch step batch {batch}"] = traceback.format_exc()[-2000:]
+                print(errors[f"in-batch step batch {batch}"], flush=True)
         with torch.no_grad():  # closeness of one step's output to lossless, per variant
             base = fns["lossless"]()[0].float()
             for name in [n for n in variants if n in fns]:
@@ -347,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"step_ms_{key}"] = s[v.name]["median_ms"]
                 row[f"speedup_vs_diffusers_{key}"] = s["diffusers"]["median_ms"] / s[v.name]["median_ms"]
                 row[f"rel_err_vs_lossless_{key}"] = s[v.name].get("rel_err_vs_lossless")
+                if "in_batch_ms" in s[v.name]:
+                    row[f"step_ms_in_batch_{key}"] = s[v.name]["in_batch_ms"]
+                    row[f"speedup_in_batch_vs_diffusers_{key}"] = (s["diffusers"]["in_batch_ms"]
+                                                                   / s[v.name]["in_batch_ms"])
         row["quality"] = quality.get(v.name, {})
         q = row["quality"]
         row["meets_bar"] = bool(q) and all(
@@ -368,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         "step_ms_high": b1.get(high_name or "", {}).get("median_ms"),
         "high_step_speedup": (b1["diffusers"]["median_ms"] / b1[high_name]["median_ms"]
                               if high_name in b1 else None),
+        "step_ms_high_in_batch": b1.get(high_name or "", {}).get("in_batch_ms"),
+        "high_step_speedup_in_batch": (b1["diffusers"]["in_batch_ms"] / b1[high_name]["in_batch_ms"]
+                                       if "in_batch_ms" in b1.get(high_name or "", {}) else None),
+        "in_batch_steps": args.in_batch,
         "high_e2e_speedup": e2e["diffusers"] / e2e["high"] if e2e else None,
         "e2e_s": e2e,
         "psnr_high_db": high_q.get(last_steps, {}).get("psnr_db"),
@@ -418,6 +450,18 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
             f"| {t['name']} | {f(t.get('step_ms_batch1'), '.2f')} | {f(t.get('speedup_vs_diffusers_batch1'), '.2f')} | "
             f"{f(t.get('step_ms_batch2'), '.2f')} | {f(t.get('speedup_vs_diffusers_batch2'), '.2f')} | "
             f"{f(t.get('rel_err_vs_lossless_batch1'), '.2e')} | {cells} | {t['meets_bar']} |")
+    if any("step_ms_in_batch_batch1" in t for t in r["techniques"]):
+        lines += ["", f"Steps as a batch runs them (the plan entered once for {r['in_batch_steps']} consecutive steps, "
+                      "so the per-batch setup is spread over them), ms per step:", "",
+                  "| variant | B=1 | x diffusers | B=2 | x diffusers |", "|---|---|---|---|---|"]
+        for key in ("diffusers", "lossless"):
+            ms = [r["step"].get(f"batch{b}", {}).get(key, {}).get("in_batch_ms") for b in (1, 2)]
+            lines.append(f"| {key} | {f(ms[0], '.2f')} | - | {f(ms[1], '.2f')} | - |")
+        for t in r["techniques"]:
+            lines.append(f"| {t['name']} | {f(t.get('step_ms_in_batch_batch1'), '.2f')} | "
+                         f"{f(t.get('speedup_in_batch_vs_diffusers_batch1'), '.2f')} | "
+                         f"{f(t.get('step_ms_in_batch_batch2'), '.2f')} | "
+                         f"{f(t.get('speedup_in_batch_vs_diffusers_batch2'), '.2f')} |")
     cached = [t for t in r["techniques"] if t.get("step_cache") is not None]
     for t in cached:
         steps_text = ", ".join(f"{s} steps: {q.get('cached_steps')} skipped" for s, q in t["quality"].items())
