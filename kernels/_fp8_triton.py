@@ -12,6 +12,8 @@ from ._lossless_triton import _GELU_BETA, _GELU_KAPPA, _interpreting, libdevice
 
 _FP8_MAX = 448.0
 _MIN_AMAX = 1e-12
+# Above the largest |gelu_tanh(x)| over x < 0 (0.17004 at x = -0.7518), with margin for rounding.
+GELU_DIP = tl.constexpr(0.171)
 
 
 @triton.jit
@@ -45,7 +47,7 @@ def _store_fp8(q_ptr, rows, q_sr, cols, x, scale, ok, INTERPRET: tl.constexpr):
 def _quant_rows_kernel(
     a_ptr, b_ptr, q_ptr, s_ptr, M, KA, KB, a_sr, b_sr, q_sr,
     GELU_B: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    BETA: tl.constexpr, KAPPA: tl.constexpr, INTERPRET: tl.constexpr,
+    BETA: tl.constexpr, KAPPA: tl.constexpr, INTERPRET: tl.constexpr, GELU_FROM_MAX: tl.constexpr,
 ):
     # ROWS rows per program: pass 1 finds each row's amax (both parts), pass 2 re-reads the rows (mostly from L2)
     # and writes fp8; the GELU is recomputed in pass 2 rather than stored. (A variant holding whole rows in
@@ -60,12 +62,37 @@ def _quant_rows_kernel(
         cols = k0 + offs
         ok = row_ok[:, None] & (cols < KA)[None, :]
         amax = tl.maximum(amax, tl.abs(_load_rows(a_ptr, rows, a_sr, cols, ok, False, BETA, KAPPA, INTERPRET)))
+    row_amax = tl.max(amax, axis=1)
     if HAS_B:
-        for k0 in range(0, KB, BLOCK):
-            cols = k0 + offs
-            ok = row_ok[:, None] & (cols < KB)[None, :]
-            amax = tl.maximum(amax, tl.abs(_load_rows(b_ptr, rows, b_sr, cols, ok, GELU_B, BETA, KAPPA, INTERPRET)))
-    scale = tl.maximum(tl.max(amax, axis=1), 1e-12) / 448.0
+        if GELU_B and GELU_FROM_MAX:
+            # gelu rises on x >= 0 and its negative part never exceeds GELU_DIP in magnitude, so a row whose
+            # gelu(max b) reaches GELU_DIP has amax gelu(max b): one GELU per row in this pass, not one per element.
+            # Rows below it (rare: b all small or negative) take the per-element pass.
+            bmax = tl.full([ROWS, BLOCK], float("-inf"), dtype=tl.float32)
+            for k0 in range(0, KB, BLOCK):
+                cols = k0 + offs
+                ok = row_ok[:, None] & (cols < KB)[None, :]
+                bmax = tl.maximum(bmax, tl.load(b_ptr + rows[:, None] * b_sr + cols[None, :], mask=ok,
+                                                other=float("-inf")).to(tl.float32))
+            g = _gelu_tanh(tl.max(bmax, axis=1), BETA, KAPPA, INTERPRET)
+            g = tl.where(row_ok, g, GELU_DIP)  # rows past M: neither NaN nor a reason for the slow pass
+            if tl.min(g, axis=0) >= GELU_DIP:
+                row_amax = tl.maximum(row_amax, g)
+            else:
+                for k0 in range(0, KB, BLOCK):
+                    cols = k0 + offs
+                    ok = row_ok[:, None] & (cols < KB)[None, :]
+                    amax = tl.maximum(amax, tl.abs(_load_rows(b_ptr, rows, b_sr, cols, ok, True, BETA, KAPPA,
+                                                              INTERPRET)))
+                row_amax = tl.max(amax, axis=1)
+        else:
+            for k0 in range(0, KB, BLOCK):
+                cols = k0 + offs
+                ok = row_ok[:, None] & (cols < KB)[None, :]
+                amax = tl.maximum(amax, tl.abs(_load_rows(b_ptr, rows, b_sr, cols, ok, GELU_B, BETA, KAPPA,
+                                                          INTERPRET)))
+            row_amax = tl.max(amax, axis=1)
+    scale = tl.maximum(row_amax, 1e-12) / 448.0
     tl.store(s_ptr + rows, scale, mask=row_ok)
     for k0 in range(0, KA, BLOCK):
         cols = k0 + offs
@@ -84,11 +111,14 @@ def _quant_rows_kernel(
 _CONFIGS = [triton.Config({"ROWS": r, "BLOCK": b}, num_warps=w)
             for r, b, w in ((1, 1024, 4), (1, 2048, 8), (1, 4096, 8), (2, 1024, 4), (2, 2048, 8), (4, 512, 4),
                             (4, 1024, 8), (8, 256, 4), (8, 512, 8))]
-_quant_rows_tuned = triton.autotune(configs=_CONFIGS, key=["KA", "KB", "GELU_B", "HAS_B"])(_quant_rows_kernel)
+_quant_rows_tuned = triton.autotune(configs=_CONFIGS, key=["KA", "KB", "GELU_B", "HAS_B", "GELU_FROM_MAX"])(
+    _quant_rows_kernel)
 
 
-def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """a [M, Ka], b [M, Kb] or None (unit last strides) -> fp8 [M, Ka + Kb], fp32 scale [M, 1]."""
+def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool,
+                  gelu_from_max: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [M, Ka], b [M, Kb] or None (unit last strides) -> fp8 [M, Ka + Kb], fp32 scale [M, 1].
+    gelu_from_max=False: the amax pass applies the GELU per element (the earlier kernel; benchmarks compare)."""
     M, KA = a.shape
     KB = 0 if b is None else b.shape[1]
     interpret = _interpreting()
@@ -97,7 +127,8 @@ def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool) -> tupl
     if M == 0:
         return q.to(torch.float8_e4m3fn), scale
     args = (a, a if b is None else b, q, scale, M, KA, KB, a.stride(0), 0 if b is None else b.stride(0), q.stride(0))
-    meta = dict(GELU_B=bool(gelu_b), HAS_B=b is not None, BETA=_GELU_BETA, KAPPA=_GELU_KAPPA, INTERPRET=interpret)
+    meta = dict(GELU_B=bool(gelu_b), HAS_B=b is not None, BETA=_GELU_BETA, KAPPA=_GELU_KAPPA, INTERPRET=interpret,
+                GELU_FROM_MAX=bool(gelu_from_max))
     if interpret:  # no timing in the interpreter: two rows per program, blocks small enough to wrap
         _quant_rows_kernel[(triton.cdiv(M, 2),)](*args, ROWS=2, BLOCK=1024, **meta)
         return q.to(torch.float8_e4m3fn), scale

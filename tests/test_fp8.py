@@ -103,6 +103,7 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     base = torch.randn(9, 3000 + 48) * 3
     base[4] = 0  # an all-zero row
     base[5, 7] = 1e4  # one large outlier
+    base[6, 48:] = -base[6, 48:].abs()  # b all negative: gelu's amax is in its dip, not at max(b)
     a = base.to(dtype)[:, :48]  # a column slice: row stride 3048
     b = base.to(dtype)[:, 48:]  # a second part longer than one block (2048): the loops wrap
     for bb, gelu in ((None, False), (b, False), (b, True)):
@@ -413,10 +414,16 @@ def test_gpu_quantization_kernel_against_eager(gelu: bool) -> None:
     torch.manual_seed(0)
     base = (torch.randn(4608, 3072 + 12288, device="cuda") * 2).to(torch.bfloat16)
     base[3] = 0
+    base[5, 3072:] = -base[5, 3072:].abs()  # b all negative: gelu's amax lies in its dip, not at max(b)
     a, b = base[:, :3072], base[:, 3072:]
     q, s = fp8.quantize_rows(a, b, gelu_b=gelu)
     qe, se = fp8.quantize_rows_eager(a, b, gelu_b=gelu)
     assert torch.allclose(s, se, rtol=1e-6, atol=0)
+    if gelu:  # the amax from each row's max gives the scales of the per-element amax pass
+        from kernels import _fp8_triton
+
+        q_all, s_all = _fp8_triton.quantize_rows(a, b, True, gelu_from_max=False)
+        assert torch.allclose(s, s_all, rtol=1e-6, atol=0) and (q.float() != q_all.float()).float().mean() < 1e-5
     mismatch = (q.float() != qe.float())
     assert mismatch.float().mean() < 1e-4, int(mismatch.sum())  # where a tanh or division ulp crosses a rounding point
     qf, qef = q.float(), qe.float()
