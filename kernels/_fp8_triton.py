@@ -44,6 +44,17 @@ def _store_fp8(q_ptr, rows, q_sr, cols, x, scale, ok, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _row_amax(amax, ptr, rows, row_stride, row_ok, offs, K, GELU: tl.constexpr, BLOCK: tl.constexpr,
+              BETA: tl.constexpr, KAPPA: tl.constexpr, INTERPRET: tl.constexpr):
+    """Each row's amax over one part (GELU'd if asked), folded into `amax` ([ROWS, BLOCK] running maxima)."""
+    for k0 in range(0, K, BLOCK):
+        cols = k0 + offs
+        ok = row_ok[:, None] & (cols < K)[None, :]
+        amax = tl.maximum(amax, tl.abs(_load_rows(ptr, rows, row_stride, cols, ok, GELU, BETA, KAPPA, INTERPRET)))
+    return tl.max(amax, axis=1)
+
+
+@triton.jit
 def _quant_rows_kernel(
     a_ptr, b_ptr, q_ptr, s_ptr, M, KA, KB, a_sr, b_sr, q_sr,
     GELU_B: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -58,11 +69,7 @@ def _quant_rows_kernel(
     row_ok = rows < M
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-    for k0 in range(0, KA, BLOCK):
-        cols = k0 + offs
-        ok = row_ok[:, None] & (cols < KA)[None, :]
-        amax = tl.maximum(amax, tl.abs(_load_rows(a_ptr, rows, a_sr, cols, ok, False, BETA, KAPPA, INTERPRET)))
-    row_amax = tl.max(amax, axis=1)
+    row_amax = _row_amax(amax, a_ptr, rows, a_sr, row_ok, offs, KA, False, BLOCK, BETA, KAPPA, INTERPRET)
     if HAS_B:
         if GELU_B and GELU_FROM_MAX:
             # gelu rises on x >= 0 and its negative part never exceeds GELU_DIP in magnitude, so a row whose
@@ -79,19 +86,11 @@ def _quant_rows_kernel(
             if tl.min(g, axis=0) >= GELU_DIP:
                 row_amax = tl.maximum(row_amax, g)
             else:
-                for k0 in range(0, KB, BLOCK):
-                    cols = k0 + offs
-                    ok = row_ok[:, None] & (cols < KB)[None, :]
-                    amax = tl.maximum(amax, tl.abs(_load_rows(b_ptr, rows, b_sr, cols, ok, True, BETA, KAPPA,
-                                                              INTERPRET)))
-                row_amax = tl.max(amax, axis=1)
+                row_amax = tl.maximum(row_amax, _row_amax(amax, b_ptr, rows, b_sr, row_ok, offs, KB, True, BLOCK,
+                                                          BETA, KAPPA, INTERPRET))
         else:
-            for k0 in range(0, KB, BLOCK):
-                cols = k0 + offs
-                ok = row_ok[:, None] & (cols < KB)[None, :]
-                amax = tl.maximum(amax, tl.abs(_load_rows(b_ptr, rows, b_sr, cols, ok, GELU_B, BETA, KAPPA,
-                                                          INTERPRET)))
-            row_amax = tl.max(amax, axis=1)
+            row_amax = tl.maximum(row_amax, _row_amax(amax, b_ptr, rows, b_sr, row_ok, offs, KB, GELU_B, BLOCK,
+                                                      BETA, KAPPA, INTERPRET))
     scale = tl.maximum(row_amax, 1e-12) / 448.0
     tl.store(s_ptr + rows, scale, mask=row_ok)
     for k0 in range(0, KA, BLOCK):
