@@ -20,8 +20,7 @@ import triton
 import triton.language as tl
 
 from ._lossless_triton import _interpreting
-
-VBLOCK = 128  # tokens per k scale; S is padded to a multiple of it (the attention tiles divide it)
+from .attention import VBLOCK  # S is padded to a multiple of it (the attention tiles divide it)
 _LOG2E = 1.4426950408889634
 _LOG2_448 = tl.constexpr(8.807354922057604)  # P = exp2(logit - max + log2(448)) <= 448, e4m3's largest value
 
@@ -79,8 +78,7 @@ def _quantize_qkv_kernel(
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q, k, v [B, S, H, D] (unit last strides) -> q8, k8 [B, H, S_pad, D] (int8), v8t [B, H, D, S_pad] (fp8), all zero
-    past S,
-    q / k scales [B, H, S_pad] and v scales [B, H, S_pad / VBLOCK] (fp32)."""
+    past S; scales (fp32): q's [B, H, S_pad], k's [B, H, S_pad / VBLOCK], v's [B, H, D]."""
     B, S, H, D = q.shape
     s_pad = triton.cdiv(S, VBLOCK) * VBLOCK
     interpret = _interpreting()
@@ -152,10 +150,10 @@ _attention_tuned = triton.autotune(configs=_CONFIGS, key=["S_PAD", "D", "EVEN"])
 
 
 def attend_quantized(q8: torch.Tensor, k8: torch.Tensor, v8t: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor,
-                     vs: torch.Tensor, out: torch.Tensor, seq: int | None = None) -> torch.Tensor:
+                     vs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The attention launch over `quantize_qkv`'s outputs, into `out` [B, S, H, D] (unit last stride)."""
     B, H, s_pad, D = q8.shape
-    S = out.shape[1] if seq is None else seq
+    S = out.shape[1]
     args = (q8, k8, v8t, qs, ks, vs, out, S, s_pad, H, out.stride(0), out.stride(1), out.stride(2),
             _LOG2E / math.sqrt(D))
     if _interpreting():  # fp8 is not a type the interpreter computes in: v's values as fp32, P not rounded

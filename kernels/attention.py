@@ -3,8 +3,9 @@
 `attention(q, k, v, mask, fp8=...)` takes q, k, v as [B, S, H, D] (the layout the projections produce) and returns
 [B, S, H, D]. With `fp8=True` and no refusal, q and k are quantized to int8 (q per token, k per 128-token block),
 v to fp8 e4m3 (per channel), and Q K^T runs in int8, P V in fp8, both accumulating in 32 bits
-(kernels/_attention_fp8_triton.py): not bit-exact, for the high tier only. `fp8_attention_refusal` says why it cannot run (no CUDA, a GPU before Ada, fp32, a mask, a
-head size other than 64 or 128); the caller then gets SDPA, and the refusal is logged once per reason.
+(kernels/_attention_fp8_triton.py): not bit-exact, for the high tier only. `fp8_attention_refusal` says why it
+cannot run (no CUDA, a GPU before Ada, fp32, a mask, a head size other than 32, 64 or 128); the caller then gets
+SDPA, and the refusal is logged once per reason.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .fp8 import FP8, FP8_MAX, MIN_AMAX
+
 logger = logging.getLogger(__name__)
 
-FP8 = torch.float8_e4m3fn
-VBLOCK = 128  # tokens per k scale (the Triton kernel's block; the eager twin uses the same)
+VBLOCK = 128  # tokens per k scale: the Triton kernels' block, and the eager twin's
 _HEAD_DIMS = (32, 64, 128)
 _refusals_logged: set[str] = set()
 
@@ -66,12 +68,12 @@ def _blocks(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _fp8(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = amax.clamp(min=1e-12) / 448.0
-    return (x / scale).clamp(-448.0, 448.0).to(FP8).float(), scale
+    scale = amax.clamp(min=MIN_AMAX) / FP8_MAX
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float(), scale
 
 
 def _int8(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = amax.clamp(min=1e-12) / 127.0
+    scale = amax.clamp(min=MIN_AMAX) / 127.0
     y = x / scale
     return torch.trunc(y + 0.5 * torch.sign(y)), scale  # half away from zero, as the kernel rounds
 
@@ -89,12 +91,12 @@ def fp8_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     k = (k8 * ks).flatten(1, 2)[:, :S]
     v = value.float()
     v8, vs = _fp8(v, v.abs().amax(dim=1, keepdim=True))  # one scale per channel over all tokens
-    v8s = v8 * (vs / 448.0)  # v's scale and P's 1/448 applied after the product
+    v8s = v8 * (vs / FP8_MAX)  # v's scale and P's 1/448 applied after the product
     qh = (q8 * qs).permute(0, 2, 1, 3)
     s = qh @ k.permute(0, 2, 3, 1) / math.sqrt(query.shape[-1])
     p = torch.exp(s - s.amax(dim=-1, keepdim=True))
     denom = p.sum(dim=-1, keepdim=True)
-    p8 = (p * 448.0).to(FP8).float() if round_p else p * 448.0
+    p8 = (p * FP8_MAX).to(FP8).float() if round_p else p * FP8_MAX
     out = (p8 @ v8s.permute(0, 2, 1, 3)) / denom
     return out.permute(0, 2, 1, 3).to(query.dtype)
 

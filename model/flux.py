@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.loaders import PeftAdapterMixin
 from diffusers.models.attention import AttentionMixin
