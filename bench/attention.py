@@ -67,8 +67,8 @@ def main() -> None:
             except Exception as exc:  # a backend that refuses these inputs
                 print(f"{name}: {exc!r}", flush=True)
         t["8-bit (quantize + attention)"] = graph_time_us([lambda: A.fp8_attention(q, k, v)])
-        t["8-bit: quantize only"] = graph_time_us([lambda: T.quantize_qkv(q, k, v)])
-        pre = T.quantize_qkv(q, k, v)
+        t["8-bit: quantize only"] = graph_time_us([lambda: T.quantize_qkv(q, k, v, A.VBLOCK)])
+        pre = T.quantize_qkv(q, k, v, A.VBLOCK)
         out = torch.empty_like(q)
         t["8-bit: attention only"] = graph_time_us([lambda: T.attend_quantized(*pre, out)])
         best = T._attention_tuned.best_config

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from ._lossless_triton import _interpreting
-from .attention import VBLOCK  # S is padded to a multiple of it (the attention tiles divide it)
 _LOG2E = 1.4426950408889634
 _LOG2_448 = tl.constexpr(8.807354922057604)  # P = exp2(logit - max + log2(448)) <= 448, e4m3's largest value
 
@@ -76,24 +75,25 @@ def _quantize_qkv_kernel(
     tl.store(v8t_ptr + head + d[None, :] * S_PAD + toks[:, None], y)  # transposed: [B, H, D, S_PAD]
 
 
-def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> tuple[torch.Tensor, ...]:
     """q, k, v [B, S, H, D] (unit last strides) -> q8, k8 [B, H, S_pad, D] (int8), v8t [B, H, D, S_pad] (fp8), all zero
-    past S; scales (fp32): q's [B, H, S_pad], k's [B, H, S_pad / VBLOCK], v's [B, H, D]."""
+    past S, which is padded to a multiple of `block` (kernels.attention.VBLOCK: tokens per k scale; the attention
+    tiles divide it); scales (fp32): q's [B, H, S_pad], k's [B, H, S_pad / block], v's [B, H, D]."""
     B, S, H, D = q.shape
-    s_pad = triton.cdiv(S, VBLOCK) * VBLOCK
+    s_pad = triton.cdiv(S, block) * block
     interpret = _interpreting()
     q8 = torch.empty((B, H, s_pad, D), dtype=torch.int8, device=q.device)
     k8 = torch.empty_like(q8)
     v8t = torch.empty((B, H, D, s_pad), dtype=torch.float32 if interpret else torch.float8_e4m3fn, device=q.device)
     qs = torch.empty((B, H, s_pad), dtype=torch.float32, device=q.device)
-    ks = torch.empty((B, H, s_pad // VBLOCK), dtype=torch.float32, device=q.device)
+    ks = torch.empty((B, H, s_pad // block), dtype=torch.float32, device=q.device)
     # v's channel amax over all tokens: one reduction launch (exact in v's dtype), then the scale that maps it to 448.
     vs = torch.linalg.vector_norm(v, float("inf"), dim=1).float().clamp_(min=1e-12) / 448.0
-    _quantize_qkv_kernel[(s_pad // VBLOCK, B * H)](
+    _quantize_qkv_kernel[(s_pad // block, B * H)](
         q, k, v, vs, q8, k8, v8t, qs, ks, S, s_pad, H,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        D=D, BLOCK=VBLOCK, INTERPRET=interpret, num_warps=8,
+        D=D, BLOCK=block, INTERPRET=interpret, num_warps=8,
     )
     if interpret:
         v8t = v8t.to(torch.float8_e4m3fn)
@@ -141,7 +141,7 @@ def _attention_kernel(
              mask=(rows < S)[:, None])
 
 
-# Tiles measured on the GPU at first use per (S_PAD, D): each divides VBLOCK.
+# Tiles measured on the GPU at first use per (S_PAD, D): each divides the k-scale block (128).
 _CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
             for m, n, w, st in ((128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3),
                                 (128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4),
@@ -154,20 +154,23 @@ def attend_quantized(q8: torch.Tensor, k8: torch.Tensor, v8t: torch.Tensor, qs: 
     """The attention launch over `quantize_qkv`'s outputs, into `out` [B, S, H, D] (unit last stride)."""
     B, H, s_pad, D = q8.shape
     S = out.shape[1]
+    block = s_pad // ks.shape[-1]  # tokens per k scale
     args = (q8, k8, v8t, qs, ks, vs, out, S, s_pad, H, out.stride(0), out.stride(1), out.stride(2),
             _LOG2E / math.sqrt(D))
     if _interpreting():  # fp8 is not a type the interpreter computes in: v's values as fp32, P not rounded
         _attention_kernel[(s_pad // 64, B * H)](q8, k8, v8t.float(), *args[3:], D=D, BLOCK_M=64, BLOCK_N=64,
-                                                VB=VBLOCK, EVEN=S == s_pad, INTERPRET=True)
+                                                VB=block, EVEN=S == s_pad, INTERPRET=True)
         return out
-    _attention_tuned[lambda m: (s_pad // m["BLOCK_M"], B * H)](*args, D=D, VB=VBLOCK, EVEN=S == s_pad,
+    _attention_tuned[lambda m: (s_pad // m["BLOCK_M"], B * H)](*args, D=D, VB=block, EVEN=S == s_pad,
                                                                 INTERPRET=False)
     return out
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v for q, k, v [B, S, H, D] (bf16/fp16, unit last strides) -> [B, S, H, D] in q's
-    dtype (written into `out` when given: any [B, S, H, D] view with a unit last stride)."""
+    dtype (written into `out` when given: any [B, S, H, D] view with a unit last stride); `block` as in
+    `quantize_qkv`."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return attend_quantized(*quantize_qkv(q, k, v), out)
+    return attend_quantized(*quantize_qkv(q, k, v, block), out)

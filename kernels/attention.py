@@ -106,7 +106,7 @@ def fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """fp8 attention of [B, S, H, D] q, k, v on CUDA (see `fp8_attention_refusal`), into `out` when given."""
     from . import _attention_fp8_triton
 
-    return _attention_fp8_triton.attention(query, key, value, out)
+    return _attention_fp8_triton.attention(query, key, value, VBLOCK, out)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,

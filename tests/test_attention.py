@@ -51,7 +51,7 @@ torch.manual_seed(0)
 for B, S, H, D in ((1, 200, 2, 64), (2, 256, 3, 32)):  # S past a 128 block (masked keys) and exactly two blocks
     qkv = torch.randn(B, S, 3 * H * D + 8)  # q, k, v as strided views of one projection output
     q, k, v = (qkv[..., i * H * D:(i + 1) * H * D].unflatten(-1, (H, D)) for i in range(3))
-    q8, k8, v8t, qs, ks, vs = T.quantize_qkv(q, k, v)
+    q8, k8, v8t, qs, ks, vs = T.quantize_qkv(q, k, v, A.VBLOCK)
     s_pad = -(-S // 128) * 128
     assert q8.dtype == k8.dtype == torch.int8 and v8t.dtype == torch.float8_e4m3fn
     assert q8.shape == (B, H, s_pad, D) and v8t.shape == (B, H, D, s_pad)
@@ -61,7 +61,7 @@ for B, S, H, D in ((1, 200, 2, 64), (2, 256, 3, 32)):  # S past a 128 block (mas
     assert v8t.float().abs().amax(-1).eq(448).all()  # each v channel's amax maps to 448
     joint = torch.zeros(B, S, H * D + 5)
     out = joint[..., 5:].unflatten(-1, (H, D))  # written into a strided view
-    T.attention(q, k, v, out)
+    T.attention(q, k, v, A.VBLOCK, out)
     twin = A.fp8_attention_eager(q, k, v, round_p=False)
     assert rel(out, twin) < 1e-5, (B, S, rel(out, twin))
     assert (joint[..., :5] == 0).all()
