@@ -131,8 +131,14 @@ def mark_norm_site(module: nn.Module) -> None:
     setattr(module, _FAST_NORM_ATTR, False)
 
 
+def _flag(module: nn.Module, attr: str) -> bool:
+    # The instance dict, not getattr: on a module without the flag, getattr goes through nn.Module.__getattr__ and
+    # an AttributeError, which made the per-batch walks over every module (set_fast_norm, ...) cost milliseconds.
+    return bool(module.__dict__.get(attr, False))
+
+
 def fast_norm(module: nn.Module) -> bool:
-    return bool(getattr(module, _FAST_NORM_ATTR, False))
+    return _flag(module, _FAST_NORM_ATTR)
 
 
 def set_fast_norm(model: nn.Module, on: bool) -> int:
@@ -140,28 +146,28 @@ def set_fast_norm(model: nn.Module, on: bool) -> int:
     sites switched. Sites whose inputs the fast kernel does not support still run lossless."""
     n = 0
     for module in model.modules():
-        if hasattr(module, _FAST_NORM_ATTR):
-            setattr(module, _FAST_NORM_ATTR, bool(on))
+        if _FAST_NORM_ATTR in module.__dict__:
+            module.__dict__[_FAST_NORM_ATTR] = bool(on)
             n += 1
     return n
 
 
 def fast_norm_sites(model: nn.Module) -> int:
     """How many norm sites of `model` are switched to the fast kernel."""
-    return sum(1 for m in model.modules() if getattr(m, _FAST_NORM_ATTR, False))
+    return sum(1 for m in model.modules() if _flag(m, _FAST_NORM_ATTR))
 
 
 def set_norm_fp8(module: nn.Module, on: bool) -> None:
     """Make the norm site `module` hand its consumers fp8 rows (on) or tensors. Only for a site whose every
     consumer takes `kernels.fp8.Fp8Rows` (the model decides that when it quantizes its linears)."""
-    if not hasattr(module, _FAST_NORM_ATTR):
+    if _FAST_NORM_ATTR not in module.__dict__:
         raise ValueError(f"{type(module).__name__} is not a marked norm site")
     setattr(module, _FP8_NORM_ATTR, bool(on))
 
 
 def norm_fp8(module: nn.Module) -> bool:
     """Does the norm site `module` emit fp8 rows now (its flag, and the `fp8_norm_producer` switch)?"""
-    if not getattr(module, _FP8_NORM_ATTR, False):
+    if not _flag(module, _FP8_NORM_ATTR):
         return False
     from .fp8 import LN_PRODUCER
 
