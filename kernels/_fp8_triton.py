@@ -1,5 +1,6 @@
-"""Triton kernels of kernels/fp8.py (not bit-exact): per-row fp8 quantization of `[a | gelu(b)]` in one pass, and
-LayerNorm + AdaLN modulation whose output row is quantized in the same pass (it never exists in bf16)."""
+"""Triton kernels of kernels/fp8.py (not bit-exact): per-row fp8 quantization of `[a | gelu(b)]` in one pass,
+LayerNorm + AdaLN modulation whose output row is quantized in the same pass (it never exists in bf16), and the
+weight-only fp8 GEMV of layers fed a few rows (bf16 activations, fp8 weights read once)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ GELU_DIP = tl.constexpr(0.171)
 
 
 @triton.jit
-def _gelu_tanh(x, BETA: tl.constexpr, KAPPA: tl.constexpr, INTERPRET: tl.constexpr):
+def _gelu_tanh(x, BETA: tl.constexpr, KAPPA: tl.constexpr, INTERPRET: tl.constexpr, EXP_TANH: tl.constexpr):
+    # EXP_TANH: tanh(u) = 1 - 2 / (exp(2u) + 1) with the hardware's exp2 and reciprocal, a few instructions instead
+    # of libdevice's tanh; its error (~1e-7 absolute) is far below fp8's rounding step. Also the CPU interpreter's
+    # form (it has no libdevice). exp overflowing to inf gives t = 1, underflowing to 0 gives t = -1.
     inner = BETA * (x + KAPPA * x * x * x)
-    if INTERPRET:  # the CPU interpreter has no libdevice
+    if INTERPRET or EXP_TANH:
         t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
     else:
         t = libdevice.tanh(inner)
@@ -28,10 +32,10 @@ def _gelu_tanh(x, BETA: tl.constexpr, KAPPA: tl.constexpr, INTERPRET: tl.constex
 
 @triton.jit
 def _load_rows(ptr, rows, row_stride, cols, ok, GELU: tl.constexpr, BETA: tl.constexpr, KAPPA: tl.constexpr,
-               INTERPRET: tl.constexpr):
+               INTERPRET: tl.constexpr, EXP_TANH: tl.constexpr):
     x = tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     if GELU:
-        x = _gelu_tanh(x, BETA, KAPPA, INTERPRET)
+        x = _gelu_tanh(x, BETA, KAPPA, INTERPRET, EXP_TANH)
     return x
 
 
@@ -45,12 +49,13 @@ def _store_fp8(q_ptr, rows, q_sr, cols, x, scale, ok, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _row_amax(amax, ptr, rows, row_stride, row_ok, offs, K, GELU: tl.constexpr, BLOCK: tl.constexpr,
-              BETA: tl.constexpr, KAPPA: tl.constexpr, INTERPRET: tl.constexpr):
+              BETA: tl.constexpr, KAPPA: tl.constexpr, INTERPRET: tl.constexpr, EXP_TANH: tl.constexpr):
     """Each row's amax over one part (GELU'd if asked), folded into `amax` ([ROWS, BLOCK] running maxima)."""
     for k0 in range(0, K, BLOCK):
         cols = k0 + offs
         ok = row_ok[:, None] & (cols < K)[None, :]
-        amax = tl.maximum(amax, tl.abs(_load_rows(ptr, rows, row_stride, cols, ok, GELU, BETA, KAPPA, INTERPRET)))
+        amax = tl.maximum(amax, tl.abs(_load_rows(ptr, rows, row_stride, cols, ok, GELU, BETA, KAPPA, INTERPRET,
+                                                     EXP_TANH)))
     return tl.max(amax, axis=1)
 
 
@@ -59,6 +64,7 @@ def _quant_rows_kernel(
     a_ptr, b_ptr, q_ptr, s_ptr, M, KA, KB, a_sr, b_sr, q_sr,
     GELU_B: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     BETA: tl.constexpr, KAPPA: tl.constexpr, INTERPRET: tl.constexpr, GELU_FROM_MAX: tl.constexpr,
+    EXP_TANH: tl.constexpr,
 ):
     # ROWS rows per program: pass 1 finds each row's amax (both parts), pass 2 re-reads the rows (mostly from L2)
     # and writes fp8; the GELU is recomputed in pass 2 rather than stored. (A variant holding whole rows in
@@ -69,7 +75,8 @@ def _quant_rows_kernel(
     row_ok = rows < M
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-    row_amax = _row_amax(amax, a_ptr, rows, a_sr, row_ok, offs, KA, False, BLOCK, BETA, KAPPA, INTERPRET)
+    row_amax = _row_amax(amax, a_ptr, rows, a_sr, row_ok, offs, KA, False, BLOCK, BETA, KAPPA, INTERPRET,
+                         EXP_TANH)
     if HAS_B:
         if GELU_B and GELU_FROM_MAX:
             # gelu rises on x >= 0 and its negative part never exceeds GELU_DIP in magnitude, so a row whose
@@ -81,28 +88,28 @@ def _quant_rows_kernel(
                 ok = row_ok[:, None] & (cols < KB)[None, :]
                 bmax = tl.maximum(bmax, tl.load(b_ptr + rows[:, None] * b_sr + cols[None, :], mask=ok,
                                                 other=float("-inf")).to(tl.float32))
-            g = _gelu_tanh(tl.max(bmax, axis=1), BETA, KAPPA, INTERPRET)
+            g = _gelu_tanh(tl.max(bmax, axis=1), BETA, KAPPA, INTERPRET, EXP_TANH)
             g = tl.where(row_ok, g, GELU_DIP)  # rows past M: neither NaN nor a reason for the slow pass
             if tl.min(g, axis=0) >= GELU_DIP:
                 row_amax = tl.maximum(row_amax, g)
             else:
                 row_amax = tl.maximum(row_amax, _row_amax(amax, b_ptr, rows, b_sr, row_ok, offs, KB, True, BLOCK,
-                                                          BETA, KAPPA, INTERPRET))
+                                                          BETA, KAPPA, INTERPRET, EXP_TANH))
         else:
             row_amax = tl.maximum(row_amax, _row_amax(amax, b_ptr, rows, b_sr, row_ok, offs, KB, GELU_B, BLOCK,
-                                                      BETA, KAPPA, INTERPRET))
+                                                      BETA, KAPPA, INTERPRET, EXP_TANH))
     scale = tl.maximum(row_amax, 1e-12) / 448.0
     tl.store(s_ptr + rows, scale, mask=row_ok)
     for k0 in range(0, KA, BLOCK):
         cols = k0 + offs
         ok = row_ok[:, None] & (cols < KA)[None, :]
-        x = _load_rows(a_ptr, rows, a_sr, cols, ok, False, BETA, KAPPA, INTERPRET)
+        x = _load_rows(a_ptr, rows, a_sr, cols, ok, False, BETA, KAPPA, INTERPRET, EXP_TANH)
         _store_fp8(q_ptr, rows, q_sr, cols, x, scale, ok, INTERPRET)
     if HAS_B:
         for k0 in range(0, KB, BLOCK):
             cols = k0 + offs
             ok = row_ok[:, None] & (cols < KB)[None, :]
-            x = _load_rows(b_ptr, rows, b_sr, cols, ok, GELU_B, BETA, KAPPA, INTERPRET)
+            x = _load_rows(b_ptr, rows, b_sr, cols, ok, GELU_B, BETA, KAPPA, INTERPRET, EXP_TANH)
             _store_fp8(q_ptr, rows, q_sr, KA + cols, x, scale, ok, INTERPRET)
 
 
@@ -110,14 +117,16 @@ def _quant_rows_kernel(
 _CONFIGS = [triton.Config({"ROWS": r, "BLOCK": b}, num_warps=w)
             for r, b, w in ((1, 1024, 4), (1, 2048, 8), (1, 4096, 8), (2, 1024, 4), (2, 2048, 8), (4, 512, 4),
                             (4, 1024, 8), (8, 256, 4), (8, 512, 8))]
-_quant_rows_tuned = triton.autotune(configs=_CONFIGS, key=["KA", "KB", "GELU_B", "HAS_B", "GELU_FROM_MAX"])(
+_quant_rows_tuned = triton.autotune(configs=_CONFIGS, key=["KA", "KB", "GELU_B", "HAS_B", "GELU_FROM_MAX",
+                                                                         "EXP_TANH"])(
     _quant_rows_kernel)
 
 
-def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool,
-                  gelu_from_max: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool, gelu_from_max: bool = True,
+                  exp_tanh: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """a [M, Ka], b [M, Kb] or None (unit last strides) -> fp8 [M, Ka + Kb], fp32 scale [M, 1].
-    gelu_from_max=False: the amax pass applies the GELU per element (the earlier kernel; benchmarks compare)."""
+    gelu_from_max=False: the amax pass applies the GELU per element; exp_tanh=False: the GELU's tanh from libdevice
+    (the earlier kernels; benchmarks compare)."""
     M, KA = a.shape
     KB = 0 if b is None else b.shape[1]
     interpret = _interpreting()
@@ -127,7 +136,7 @@ def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool,
         return q.to(torch.float8_e4m3fn), scale
     args = (a, a if b is None else b, q, scale, M, KA, KB, a.stride(0), 0 if b is None else b.stride(0), q.stride(0))
     meta = dict(GELU_B=bool(gelu_b), HAS_B=b is not None, BETA=_GELU_BETA, KAPPA=_GELU_KAPPA, INTERPRET=interpret,
-                GELU_FROM_MAX=bool(gelu_from_max))
+                GELU_FROM_MAX=bool(gelu_from_max), EXP_TANH=bool(exp_tanh))
     if interpret:  # no timing in the interpreter: two rows per program, blocks small enough to wrap
         _quant_rows_kernel[(triton.cdiv(M, 2),)](*args, ROWS=2, BLOCK=1024, **meta)
         return q.to(torch.float8_e4m3fn), scale
@@ -167,3 +176,63 @@ def ln_modulate_quantize(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
             BLOCK_N=block, INTERPRET=interpret, num_warps=max(1, min(8, block // 512)),
         )
     return (q.to(torch.float8_e4m3fn) if interpret else q), qscale
+
+
+@triton.jit
+def _weight_only_kernel(
+    x_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, x_sr, y_sr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # A few activation rows (M <= BLOCK_M, padded to the tensor-core minimum of 16) against BLOCK_N weight rows,
+    # accumulated in fp32; the channel scale and the bias apply once at the end. The time is the weight read, half
+    # of bf16's bytes. The fp8 weight widens to bf16 exactly (every e4m3 value is a bf16 value), so the products
+    # are exact. INTERPRET: the CPU interpreter converts to bf16 wrongly, so there both operands go to fp32.
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    n_ok, m_ok = n < N, m < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(x_ptr + m[:, None] * x_sr + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if INTERPRET:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    acc = acc * tl.load(ws_ptr + n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None] * y_sr + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+# Narrow tiles put many programs (and loads) in flight, wide ones reuse the activation rows more: the autotuner
+# picks per shape.
+_WO_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+               for n, k, w, st in ((16, 512, 4, 4), (16, 1024, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
+                                   (32, 1024, 8, 3), (64, 256, 4, 4), (64, 512, 8, 3), (128, 256, 8, 3))]
+_weight_only_tuned = triton.autotune(configs=_WO_CONFIGS, key=["M", "N", "K", "HAS_BIAS"])(_weight_only_kernel)
+
+
+def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] bf16 (a few rows, unit last stride), weight fp8 [N, K] contiguous, weight_scale fp32 [1, N], bias
+    [N] or None -> bf16 [M, N] = x @ (weight * scale)^T + bias, accumulated in fp32."""
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
+    if M == 0:
+        return y
+    block_m = max(16, triton.next_power_of_2(M))
+    if _interpreting():  # the interpreter loads no fp8: the same values in fp32
+        weight = weight.float()
+    args = (x, weight, weight_scale, weight_scale if bias is None else bias, y, M, N, K, x.stride(0), y.stride(0))
+    if _interpreting():
+        _weight_only_kernel[(triton.cdiv(N, 32),)](*args, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=32,
+                                                    BLOCK_K=64, INTERPRET=True)
+        return y
+    _weight_only_tuned[lambda m: (triton.cdiv(N, m["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None,
+                                                                  BLOCK_M=block_m, INTERPRET=False)
+    return y

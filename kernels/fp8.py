@@ -30,10 +30,18 @@ logger = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 MIN_AMAX = 1e-12  # an all-zero row gets this amax (a finite scale, zeros stay zeros)
-# On: checked and timed on the H200 (bench/results/high-h200.md: ~2% per step with graphs, same PSNR); the
+# On: checked and timed on the H200 (bench/results/high-h200-session10.md: ~2% per step with graphs, same PSNR); the
 # switch stays for benchmarks that measure the consumers' separate quantization pass.
 LN_PRODUCER = switches.register(
     "fp8_norm_producer", True, "fp8 norm sites quantize their modulated LayerNorm rows in the norm's own pass")
+# Hopper's fp8 tensor-core accumulator keeps fewer bits than fp32; without fast accumulation the GEMM promotes the
+# partial sums to fp32 registers every few k-steps, at a cost in speed. On: measured faster at the same PSNR
+# (bench/results/fp8-gemm-h200.md, high-h200.md); the switch stays for benchmarks and tests.
+FAST_ACCUM = switches.register(
+    "fp8_fast_accum", True, "fp8 GEMMs accumulate in the tensor cores' own precision (no periodic fp32 promotion)")
+# Layers fed at most this many rows (the AdaLN modulation: one row per image) skip the activation quantization and
+# read their fp8 weight in a weight-only GEMV: the GEMM there is a weight read, and bf16 weights are twice the bytes.
+WEIGHT_ONLY_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,28 @@ def quantize_rows(a: torch.Tensor, b: torch.Tensor | None = None,
     return _fp8_triton.quantize_rows(a2, b2, gelu_b)
 
 
+def weight_only_linear_eager(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                             bias: torch.Tensor | None) -> torch.Tensor:
+    """The weight-only GEMV's twin: x [M, K] @ (fp8 weight [N, K] * scale [1, N])^T + bias, in fp32 -> bf16."""
+    out = (x.float() @ weight.float().t()) * weight_scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(torch.bfloat16)
+
+
+def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (M <= WEIGHT_ONLY_ROWS) against an fp8 weight with its activation kept as it is: one Triton GEMV
+    reading the weight once on CUDA, the eager twin elsewhere."""
+    if x.shape[0] > WEIGHT_ONLY_ROWS:
+        raise ValueError(f"weight_only_linear: {x.shape[0]} rows, at most {WEIGHT_ONLY_ROWS}")
+    if x.device.type != "cuda":
+        return weight_only_linear_eager(x, weight, weight_scale, bias)
+    from . import _fp8_triton
+
+    return _fp8_triton.weight_only_linear(x.to(torch.bfloat16), weight, weight_scale, bias)
+
+
 def layer_norm_modulate_fp8_eager(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
                                    eps: float) -> Fp8Rows:
     """The eager twin of the fp8 norm (`layer_norm_modulate(..., fp8=True)`): the modulated LayerNorm in fp32 (no
@@ -141,15 +171,18 @@ class Fp8Linear(nn.Module):
     """A linear layer with fp8 e4m3 weights (per output channel scales) and bf16 input/output.
 
     `forward(x)` quantizes x per row (or takes the `Fp8Rows` its producer already quantized) and runs one
-    `torch._scaled_mm`; `matmul(q, scale)` takes rows some other pass quantized. Built from one or several `nn.Linear`s (`from_linears`: stacked along the output
-    dimension, so q/k/v become one GEMM); the bf16 weights are not kept.
+    `torch._scaled_mm`; `matmul(q, scale)` takes rows some other pass quantized. Built from one or several
+    `nn.Linear`s (`from_linears`: stacked along the output dimension, so q/k/v become one GEMM); the bf16 weights are
+    not kept. `weight_only` (layers fed one row per image, e.g. the AdaLN modulation): inputs of at most
+    `WEIGHT_ONLY_ROWS` rows stay bf16 and go through the weight-only GEMV.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, weight_only: bool = False) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.weight_only = weight_only
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device),
                                    requires_grad=False)
         self.register_buffer("weight_scale", torch.ones(1, out_features, dtype=torch.float32, device=device))
@@ -160,7 +193,7 @@ class Fp8Linear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linears(cls, linears: Sequence[nn.Linear]) -> Fp8Linear:
+    def from_linears(cls, linears: Sequence[nn.Linear], weight_only: bool = False) -> Fp8Linear:
         """One fp8 layer computing `cat([l(x) for l in linears], -1)` (not bit-exact)."""
         first = linears[0]
         if any(lin.in_features != first.in_features for lin in linears):
@@ -169,7 +202,7 @@ class Fp8Linear(nn.Module):
         if any(with_bias) != all(with_bias):
             raise ValueError("stacked linears must all have a bias or none")
         out = sum(lin.out_features for lin in linears)
-        layer = cls(first.in_features, out, bias=all(with_bias), device=first.weight.device)
+        layer = cls(first.in_features, out, bias=all(with_bias), device=first.weight.device, weight_only=weight_only)
         with torch.no_grad():
             q, scale = quantize_weight(torch.cat([lin.weight for lin in linears], dim=0))
             layer.weight.copy_(q)
@@ -179,7 +212,8 @@ class Fp8Linear(nn.Module):
         return layer
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+                + (", weight_only=True" if self.weight_only else ""))
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight this layer multiplies by, in fp32 (tests and error reports)."""
@@ -193,11 +227,14 @@ class Fp8Linear(nn.Module):
                 out = out + self.bias.float()
             return out.to(torch.bfloat16)
         return torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, bias=self.bias,
-                                out_dtype=torch.bfloat16)
+                                out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM.value)
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if isinstance(x, Fp8Rows):  # quantized by the pass that produced it
             return self.matmul(x.q, x.scale).view(*x.shape[:-1], self.out_features)
+        if self.weight_only and x.shape[:-1].numel() <= WEIGHT_ONLY_ROWS:
+            y = weight_only_linear(_rows(x), self.weight, self.weight_scale, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         q, scale = quantize_rows(x)
         return self.matmul(q, scale).view(*x.shape[:-1], self.out_features)
 

@@ -608,24 +608,25 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         for block in self.single_transformer_blocks:
             block.fuse_projections()
 
-    def quantize_fp8(self) -> dict[str, str]:
+    def quantize_fp8(self, adaln: bool = True) -> dict[str, str]:
         """Every block linear that takes a token activation becomes an `Fp8Linear` (e4m3 weights, per-row activation
-        scales; the bf16 weights are dropped). Not bit-exact. The AdaLN linears (one row per image: nothing for fp8
-        to speed up) stay bf16. Returns {layer: why it stayed bf16}; raises ValueError where fp8 cannot run at all."""
+        scales; the bf16 weights are dropped). Not bit-exact. `adaln`: the AdaLN modulation linears (one row per
+        image, a quarter of the weights) become weight-only fp8 layers (bf16 activations, half the weight bytes to
+        read); else they stay bf16. Returns {layer: why it stayed bf16}; raises ValueError where fp8 cannot run."""
         reason = fp8_refusal(self.device, self.dtype)
         if reason is not None:
             raise ValueError(reason)
         kept: dict[str, str] = {}
         for name, layer in list(self.named_modules()):
             parent_name, _, attr = name.rpartition(".")
-            adaln = parent_name.rpartition(".")[2] in ("norm", "norm1", "norm1_context")
-            if "_blocks." not in name or not isinstance(layer, nn.Linear) or adaln:
+            is_adaln = parent_name.rpartition(".")[2] in ("norm", "norm1", "norm1_context")
+            if "_blocks." not in name or not isinstance(layer, nn.Linear) or (is_adaln and not adaln):
                 continue
             why = convertible(layer)
             if why is not None:
                 kept[name] = why
             else:
-                setattr(self.get_submodule(parent_name), attr, Fp8Linear.from_linears([layer]))
+                setattr(self.get_submodule(parent_name), attr, Fp8Linear.from_linears([layer], weight_only=is_adaln))
         self._quantize_at_norms()
         return kept
 

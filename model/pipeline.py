@@ -325,13 +325,15 @@ class FluxServePipeline:
 
         return fp8_refusal(self.device, self.dtype)
 
-    def convert_for_high(self, *, fp8: bool = False, fused_projections: bool = False) -> dict[str, Any]:
+    def convert_for_high(self, *, fp8: bool = False, fused_projections: bool = False,
+                         fp8_adaln: bool = True) -> dict[str, Any]:
         """Give the transformer the high tier's lifetime form, once (a high replica at start): q/k/v (+ the single
         blocks' MLP up-projection) as one GEMM each, and/or fp8 linear layers. The replaced weights are freed;
         from then on the pipeline serves "high" batches only (a lossless plan raises). Not bit-exact.
 
         fp8 where it cannot run (no CUDA, pre-Ada GPU, fp16/fp32 model) raises ValueError with the reason, before
-        anything is changed. Returns what was done: {"fp8": bool, "fused_projections": bool, "kept_bf16": {...}}.
+        anything is changed. `fp8_adaln=False` keeps the AdaLN modulation linears bf16 (benchmarks compare).
+        Returns what was done: {"fp8": bool, "fused_projections": bool, "kept_bf16": {...}}.
         """
         if fp8:
             reason = self.fp8_refusal()
@@ -345,7 +347,7 @@ class FluxServePipeline:
                 self.transformer.fuse_qkv_projections()
                 self.fused_projections = True
             if fp8 and not self.fp8:
-                kept = self.transformer.quantize_fp8()
+                kept = self.transformer.quantize_fp8(adaln=fp8_adaln)
                 self.fp8 = True
             if self._step_graphs is not None:
                 self._step_graphs.reset()  # captured with the old layers

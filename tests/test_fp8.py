@@ -271,7 +271,8 @@ def _fake_quantized_twin(m: FluxTransformer, converted: FluxTransformer) -> Flux
         if isinstance(layers.get(name), fp8.Fp8Linear):
             with torch.no_grad():
                 mod.weight.copy_(layers[name].dequantized_weight())
-            mod.register_forward_pre_hook(fake_quant)
+            if not layers[name].weight_only:  # weight-only layers (a few rows) keep their bf16 input
+                mod.register_forward_pre_hook(fake_quant)
     return m
 
 
@@ -295,11 +296,13 @@ def test_fp8_conversion_of_a_model_converts_every_token_linear_and_stays_close(f
         emulated = _fake_quantized_twin(twin, m)(**inputs)[0]
     assert kept == {}
     assert _rel(got, emulated) < 0.03, _rel(got, emulated)
-    linears = {name: type(mod).__name__ for name, mod in m.named_modules()
+    linears = {name: mod for name, mod in m.named_modules()
                if isinstance(mod, (nn.Linear, fp8.Fp8Linear)) and "_blocks." in name}
-    plain = sorted(name for name, kind in linears.items() if kind == "Linear")
-    assert plain and all(name.rsplit(".", 2)[-2].startswith("norm") for name in plain), plain  # AdaLN only
-    assert all(kind == "Fp8Linear" for name, kind in linears.items() if name not in plain)
+    assert all(isinstance(mod, fp8.Fp8Linear) for mod in linears.values())
+    # the AdaLN linears (one row per image) are weight-only, every token linear quantizes its activation
+    weight_only = sorted(name for name, mod in linears.items() if mod.weight_only)
+    assert len(weight_only) == 2 * len(m.transformer_blocks) + len(m.single_transformer_blocks), weight_only
+    assert all(name.rsplit(".", 2)[-2].startswith("norm") for name in weight_only), weight_only
     assert all(ff.gelu_in_down_proj for ff in m.modules() if isinstance(ff, flux_mod.FluxFeedForward))
     assert all(b.mlp_gelu_in_proj_out for b in m.single_transformer_blocks)
     assert _rel(got, ref) < 0.4, _rel(got, ref)  # random weights: fp8's cost here is no quality figure
@@ -310,6 +313,58 @@ def test_fp8_conversion_of_a_model_converts_every_token_linear_and_stays_close(f
     with torch.no_grad():
         produced = m(**inputs)[0]
     assert _rel(produced, emulated) < 0.03 and _rel(produced, got) < 0.03
+
+
+def test_fp8_conversion_can_keep_the_adaln_linears_in_bf16(fp8_on_cpu) -> None:
+    m = _model(torch.bfloat16)
+    m.quantize_fp8(adaln=False)
+    plain = sorted(name for name, mod in m.named_modules() if type(mod) is nn.Linear and "_blocks." in name)
+    assert plain and all(name.rsplit(".", 2)[-2].startswith("norm") for name in plain), plain
+    assert not any(mod.weight_only for mod in m.modules() if isinstance(mod, fp8.Fp8Linear))
+
+
+def test_weight_only_layers_keep_a_few_rows_in_bf16_and_quantize_more() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48).bfloat16()
+    layer = fp8.Fp8Linear.from_linears([lin], weight_only=True)
+    w = layer.dequantized_weight()
+    for rows in (1, 2, fp8.WEIGHT_ONLY_ROWS):
+        x = torch.randn(rows, 64).bfloat16()
+        exact = x.float() @ w.t() + layer.bias.float()
+        # the activation is not rounded through fp8: within bf16's rounding of the exact product, where the
+        # quantized GEMM is a few percent off
+        assert _rel(layer(x), exact) < 2 ** -8, _rel(layer(x), exact)
+        assert _rel(layer.matmul(*fp8.quantize_rows_eager(x)), exact) > 2 ** -6
+        assert torch.equal(layer(x), fp8.weight_only_linear_eager(x, layer.weight, layer.weight_scale, layer.bias))
+    x = torch.randn(fp8.WEIGHT_ONLY_ROWS + 1, 64).bfloat16()
+    q, s = fp8.quantize_rows_eager(x)
+    assert torch.equal(layer(x), layer.matmul(q, s))  # more rows: the quantized GEMM
+    with pytest.raises(ValueError, match="at most"):
+        fp8.weight_only_linear(x, layer.weight, layer.weight_scale, layer.bias)
+    assert "weight_only=True" in repr(layer)
+
+
+def test_weight_only_kernel_in_the_interpreter_equals_its_eager_twin() -> None:
+    """Masks over N and K (80 x 200 against 32 x 64 tiles), 1, 3 and 16 rows, with and without a bias."""
+    run_in_interpreter(_WEIGHT_ONLY_IN_INTERPRETER, "weight-only ok")
+
+
+_WEIGHT_ONLY_IN_INTERPRETER = """
+import torch
+from kernels import _fp8_triton as T
+from kernels.fp8 import quantize_weight, weight_only_linear_eager
+torch.manual_seed(0)
+w, ws = quantize_weight(torch.randn(80, 200))
+bias = torch.randn(80).bfloat16()
+for rows, b in ((1, bias), (3, None), (16, bias)):
+    x = torch.randn(rows, 200).bfloat16()
+    y = T.weight_only_linear(x, w, ws, b)
+    ref = weight_only_linear_eager(x, w, ws, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 80)
+    # fp32 sums in another order: at most one bf16 rounding step apart
+    assert torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-3), (y.float() - ref.float()).abs().max()
+print("weight-only ok")
+"""
 
 
 def test_fp8_layers_where_a_shape_is_refused_stay_bf16_and_are_reported(fp8_on_cpu) -> None:
@@ -424,8 +479,13 @@ def test_gpu_quantization_kernel_against_eager(gelu: bool) -> None:
 
         q_all, s_all = _fp8_triton.quantize_rows(a, b, True, gelu_from_max=False)
         assert torch.allclose(s, s_all, rtol=1e-6, atol=0) and (q.float() != q_all.float()).float().mean() < 1e-5
+        # the GELU's tanh from exp2 and a reciprocal against libdevice's tanh: a rare value crosses a rounding point
+        # (measured 1.2e-4 of the values on the H200: bench/results/fp8-quant-h200.md)
+        q_lib, s_lib = _fp8_triton.quantize_rows(a, b, True, exp_tanh=False)
+        assert torch.allclose(s, s_lib, rtol=1e-6, atol=0) and (q.float() != q_lib.float()).float().mean() < 5e-4
     mismatch = (q.float() != qe.float())
-    assert mismatch.float().mean() < 1e-4, int(mismatch.sum())  # where a tanh or division ulp crosses a rounding point
+    # where a tanh or division ulp crosses a rounding point
+    assert mismatch.float().mean() < (5e-4 if gelu else 1e-4), int(mismatch.sum())
     qf, qef = q.float(), qe.float()
     assert ((qf - qef).abs() <= torch.maximum(qf.abs(), qef.abs()) * 2.0 ** -3 + 2.0 ** -9)[mismatch].all()
 
@@ -447,6 +507,37 @@ def test_gpu_fp8_linear_against_its_dequantized_reference_and_bf16() -> None:
     h = lin(x)
     got = fp8.linear_cat_gelu(down, None, h)
     assert _rel(got, down(F.gelu(h, approximate="tanh"))) < 0.02
+
+
+@pytest.mark.gpu
+@_needs_fp8
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_gpu_fp8_gemm_accumulation_at_the_longest_flux_reduction(fast_accum: bool) -> None:
+    """The single block's proj_out (K = 15360, the longest sum): with or without the tensor cores' fast
+    accumulation, the GEMM stays within 5e-3 of the fp32 product of the same fp8 operands."""
+    torch.manual_seed(0)
+    layer = fp8.Fp8Linear.from_linears([nn.Linear(15360, 3072, device="cuda", dtype=torch.bfloat16)])
+    x = torch.randn(4608, 15360, device="cuda", dtype=torch.bfloat16)
+    q, s = fp8.quantize_rows(x)
+    ref = (q.float() * s) @ layer.dequantized_weight().t() + layer.bias.float()
+    with kernels.switches.override(fp8_fast_accum=fast_accum):
+        y = layer.matmul(q, s)
+    assert _rel(y, ref) < 5e-3, _rel(y, ref)
+
+
+@pytest.mark.gpu
+@_needs_fp8
+@pytest.mark.parametrize("rows", [1, 2, 16])
+def test_gpu_weight_only_layer_against_its_eager_twin(rows: int) -> None:
+    """The AdaLN modulation's shape (3072 -> 18432), bf16 rows against the fp8 weight."""
+    torch.manual_seed(0)
+    layer = fp8.Fp8Linear.from_linears([nn.Linear(3072, 18432, device="cuda", dtype=torch.bfloat16)],
+                                       weight_only=True)
+    x = torch.randn(rows, 3072, device="cuda", dtype=torch.bfloat16)
+    y = layer(x)
+    ref = fp8.weight_only_linear_eager(x, layer.weight, layer.weight_scale, layer.bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 18432)
+    assert torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-2), (y.float() - ref.float()).abs().max()
 
 
 @pytest.mark.gpu
