@@ -56,10 +56,17 @@ class Variant:
     step_cache: float | None = None  # First-Block-Cache threshold: end to end only (a single step never skips)
     norm_producer: bool = False  # fp8 forms: norms quantize their own output (switch fp8_norm_producer)
     attention8: bool = False  # 8-bit attention (int8 Q K^T, fp8 P V) instead of SDPA
+    fast_accum: bool = False  # fp8 forms: GEMMs without periodic fp32 promotion (switch fp8_fast_accum)
+    fp8_adaln: bool = True  # fp8 forms: the AdaLN linears as weight-only fp8 layers (False: kept bf16)
 
     def switches(self) -> Any:
         """The kernel switches this variant sets around each of its calls (step and end to end)."""
-        return kernels.switches.override(fp8_norm_producer=self.norm_producer)
+        return kernels.switches.override(fp8_norm_producer=self.norm_producer, fp8_fast_accum=self.fast_accum)
+
+    @property
+    def form(self) -> tuple[bool, bool, bool]:
+        """The lifetime form its transformer is converted to: (fused_projections, fp8, fp8 AdaLN)."""
+        return self.fused_projections, self.fp8, self.fp8 and self.fp8_adaln
 
 
 VARIANTS = [
@@ -83,6 +90,11 @@ VARIANTS = [
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + attention8 + cuda_graphs", fp8=True,
             fused_projections=True, fast_norm=True, norm_producer=True, attention8=True, cuda_graphs=True),
     Variant("high + fp8 + fused_projections + step_cache 0.1", fp8=True, fused_projections=True, step_cache=0.1),
+    Variant("high + fp8 (AdaLN bf16) + fused_projections + fast_norm + fp8_norm_producer + cuda_graphs", fp8=True,
+            fused_projections=True, fast_norm=True, norm_producer=True, cuda_graphs=True, fp8_adaln=False),
+    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + cuda_graphs", fp8=True,
+            fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, cuda_graphs=True),
+    Variant("high + fp8 + fused_projections + fast_accum", fp8=True, fused_projections=True, fast_accum=True),
 ]
 
 
@@ -93,15 +105,15 @@ def build_variants(ours: FluxServePipeline, variants: list[Variant]) -> tuple[di
     converts at start (fp8 forms first, while the least memory is held). Text encoders and VAE are shared."""
     from diffusers import FluxPipeline
 
-    forms: dict[tuple[bool, bool], Any] = {(False, False): ours.pipe}
+    forms: dict[tuple[bool, bool, bool], Any] = {(False, False, False): ours.pipe}
     errors: dict[str, str] = {}
-    for key in sorted({(v.fused_projections, v.fp8) for v in variants} - {(False, False)}, key=lambda k: not k[1]):
+    for key in sorted({v.form for v in variants} - {(False, False, False)}, key=lambda k: not k[1]):
         components = dict(ours.pipe.components)
         components["transformer"] = copy.deepcopy(ours.transformer)
         components["scheduler"] = type(ours.pipe.scheduler).from_config(ours.pipe.scheduler.config)
         pipe = FluxServePipeline(FluxPipeline(**components), source=ours.source)
         try:
-            pipe.convert_for_high(fused_projections=key[0], fp8=key[1])
+            pipe.convert_for_high(fused_projections=key[0], fp8=key[1], fp8_adaln=key[2])
         except Exception as exc:  # a refused technique (e.g. fp8 on the CPU) is reported, not fatal
             errors[str(key)] = f"{type(exc).__name__}: {exc}"
             del components, pipe
@@ -112,12 +124,12 @@ def build_variants(ours: FluxServePipeline, variants: list[Variant]) -> tuple[di
             torch.cuda.empty_cache()
     built: dict[str, FluxServePipeline] = {}
     for v in variants:
-        key = (v.fused_projections, v.fp8)
+        key = v.form
         if key not in forms:
             errors[v.name] = errors[str(key)]
             continue
         pipe = FluxServePipeline(forms[key], source=ours.source)
-        pipe.fused_projections, pipe.fp8 = key
+        pipe.fused_projections, pipe.fp8 = key[:2]
         pipe.high_fast_norm = v.fast_norm
         pipe.high_attention8 = v.attention8
         pipe.high_step_cache = v.step_cache
@@ -194,6 +206,24 @@ def time_steps(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> 
     return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)} for k, v in times.items()}
 
 
+def kernel_family(name: str) -> str:
+    """The family a CUDA kernel's name belongs to (the profiles of bench/high.py and bench/step_timeline.py)."""
+    name = name.lower()
+    if "weight_only" in name:  # the AdaLN's weight-only fp8 GEMV (a Triton kernel)
+        return "GEMM"
+    if "quant_rows" in name or "ln_modulate_quant" in name:
+        return "fp8 activation quantization (Triton)"
+    if "quantize_qkv" in name:
+        return "attention: 8-bit quantization of q, k, v"
+    if any(s in name for s in ("fmha", "flash", "attention", "sdpa", "cudnn")):
+        return "attention"
+    if any(s in name for s in ("gemm", "xmma", "cutlass", "nvjet", "matmul", "_mm_", "sm90", "cublas")):
+        return "GEMM"
+    if "triton" in name or name.startswith("_"):
+        return "Triton fused glue (norms, RoPE, residual, GELU)"
+    return "other (aten elementwise, copies, reductions)"
+
+
 def kernel_families(fn: Callable[[], Any], runs: int = 3) -> dict[str, float]:
     """CUDA kernel time per step (ms) by family, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -208,22 +238,8 @@ def kernel_families(fn: Callable[[], Any], runs: int = 3) -> dict[str, float]:
     fam: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
         us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
-        if not us:
-            continue
-        name = evt.key.lower()
-        if "quant_rows" in name or "ln_modulate_quant" in name:
-            f = "fp8 activation quantization (Triton)"
-        elif "quantize_qkv" in name:
-            f = "attention: 8-bit quantization of q, k, v"
-        elif any(s in name for s in ("fmha", "flash", "attention", "sdpa", "cudnn")):
-            f = "attention"
-        elif any(s in name for s in ("gemm", "xmma", "cutlass", "nvjet", "matmul", "_mm_", "sm90", "cublas")):
-            f = "GEMM"
-        elif "triton" in name or name.startswith("_"):
-            f = "Triton fused glue (norms, RoPE, residual, GELU)"
-        else:
-            f = "other (aten elementwise, copies, reductions)"
-        fam[f] += us / 1000.0 / runs
+        if us:
+            fam[kernel_family(evt.key)] += us / 1000.0 / runs
     return dict(sorted(fam.items(), key=lambda kv: -kv[1]))
 
 
@@ -360,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     for v in chosen:
         row: dict[str, Any] = {"name": v.name, "fused_projections": v.fused_projections, "fp8": v.fp8,
                                "fast_norm": v.fast_norm, "cuda_graphs": v.cuda_graphs, "step_cache": v.step_cache,
-                               "fp8_norm_producer": v.norm_producer, "attention8": v.attention8}
+                               "fp8_norm_producer": v.norm_producer, "attention8": v.attention8,
+                               "fp8_fast_accum": v.fast_accum, "fp8_adaln": v.fp8 and v.fp8_adaln}
         if v.name in e2e:
             row["e2e_s"] = e2e[v.name]
             row["e2e_speedup_vs_diffusers"] = e2e["diffusers"] / e2e[v.name]

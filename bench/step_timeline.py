@@ -24,21 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.high import VARIANTS, build_variants, lossless_step_fn, step_fn, step_inputs  # noqa: E402
+from bench.high import VARIANTS, build_variants, kernel_family, lossless_step_fn, step_fn, step_inputs  # noqa: E402
 from model.loading import load_pipeline  # noqa: E402
-
-
-def family(name: str) -> str:
-    n = name.lower()
-    if "quant" in n:
-        return "fp8 quantization"
-    if any(s in n for s in ("fmha", "flash", "attention", "sdpa", "cudnn")):
-        return "attention"
-    if any(s in n for s in ("gemm", "xmma", "cutlass", "nvjet", "matmul", "sm90", "cublas")):
-        return "GEMM"
-    if "triton" in n or n.startswith("_"):
-        return "Triton glue"
-    return "other"
 
 
 def timeline(fn: Callable[[], Any], steps: int = 3) -> dict[str, Any]:
@@ -71,7 +58,7 @@ def timeline(fn: Callable[[], Any], steps: int = 3) -> dict[str, Any]:
         for i in range(len(ks) - 1):
             gap = ks[i + 1][0] - (ks[i][0] + ks[i][1])
             if gap > 0:
-                after[family(ks[i][2]) + " -> " + family(ks[i + 1][2])] += gap / 1000 / steps
+                after[kernel_family(ks[i][2]) + " -> " + kernel_family(ks[i + 1][2])] += gap / 1000 / steps
         small = [ks[i + 1][0] - (ks[i][0] + ks[i][1]) for i in range(len(ks) - 1)]
         per_step.append({"kernels": len(ks), "busy_ms": busy / 1000, "span_ms": span / 1000,
                          "gap_ms": (span - busy) / 1000,
