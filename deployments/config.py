@@ -81,8 +81,8 @@ class PoolArgs:
     # bit-exact: bench/results/e2e-h200-high-variants.md gives its speed and PSNR/SSIM). The lossless pool refuses it.
     fast_norm: bool = False
     # High pool only: attention through the 8-bit kernel (int8 Q K^T, fp8 P V; CUDA fp16/bf16, head size 32, 64
-    # or 128, elsewhere SDPA is kept). Not bit-exact: speed and PSNR/SSIM in bench/results/high-h200.md. The
-    # lossless pool refuses it.
+    # or 128, elsewhere SDPA is kept). Not bit-exact: speed and PSNR/SSIM in bench/results/high-h200-session10.md.
+    # The lossless pool refuses it.
     attention8: bool = False
     # Either pool (tp == 1, device cuda): replay each transformer step from a CUDA graph, captured on the first
     # request of each batch size / resolution (removes the host launch gaps; bit-identical, so lossless stays
