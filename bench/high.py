@@ -7,7 +7,8 @@ of ours, converted the way a high replica converts at start) inside the same dif
 Step: one transformer forward at `--size` (4096 image + 512 text tokens at 1024^2), batch 1 and 2, variants
 interleaved within each repeat, median of `--repeats` after warm-ups. End to end: prompt -> PNG for diffusers eager,
 lossless and the high set (`--e2e-repeats`, interleaved); quality: one image per variant and step count, PSNR/SSIM of
-its PNG against lossless's. A profile of the high set's step groups CUDA kernel time by family.
+its PNG against lossless's. A profile of the high set's step groups CUDA kernel time by family. `--torchao` adds the
+outside yardstick (stock diffusers + torchao fp8 + regional compile) to the step loops, when torchao is installed.
 
   python bench/high.py --out bench/results/high-h200.json
   python bench/high.py --model tiny --device cpu --size 256 --steps 2 --repeats 1 --e2e-repeats 1  # dry run
@@ -28,6 +29,7 @@ import traceback
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -96,6 +98,27 @@ VARIANTS = [
             fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, cuda_graphs=True),
     Variant("high + fp8 + fused_projections + fast_accum", fp8=True, fused_projections=True, fast_accum=True),
 ]
+
+
+TORCHAO = "diffusers + torchao fp8 + compile"
+
+
+def torchao_recipe(reference: Any) -> tuple[Any | None, str | None]:
+    """The outside yardstick the issue names: stock diffusers' transformer (a copy of the reference's) with torchao's
+    fp8 (dynamic per-row activation and per-row weight scales) and regional torch.compile of its repeated blocks
+    (`compile_repeated_blocks(fullgraph=True)`; it compiles on its first call). (a stand-in with a `.transformer`,
+    or None with the reason it cannot be built)."""
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    except ImportError as exc:
+        return None, f"torchao is not installed ({exc})"
+    try:
+        transformer = copy.deepcopy(reference.transformer)
+        quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+        transformer.compile_repeated_blocks(fullgraph=True)
+    except Exception as exc:  # noqa: BLE001 - a yardstick that cannot be built is reported, not fatal
+        return None, f"{type(exc).__name__}: {exc}"
+    return SimpleNamespace(transformer=transformer), None
 
 
 def build_variants(ours: FluxServePipeline, variants: list[Variant]) -> tuple[dict[str, FluxServePipeline],
@@ -261,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", default=None, help="variant names to run (default: all)")
     ap.add_argument("--high-set", default="high + fp8 + fused_projections",
                     help="the variant reported as `high` (default: what serve_config.yaml turns on for the pool)")
+    ap.add_argument("--torchao", action="store_true",
+                    help=f"also time `{TORCHAO}` in the same loops (compiles for minutes on its first calls)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "high-h200.json"))
     args = ap.parse_args(argv)
     command = "python bench/high.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
@@ -278,15 +303,29 @@ def main(argv: list[str] | None = None) -> int:
     for name, err in errors.items():
         print(f"variant {name!r} not built: {err}", flush=True)
     by_name = {v.name: v for v in chosen}
+    yardstick = None
+    if args.torchao:
+        yardstick, why = torchao_recipe(reference)
+        if why is not None:
+            errors[TORCHAO] = why
+            print(f"{TORCHAO} not built: {why}", flush=True)
     if torch.cuda.is_available():
         print(f"memory allocated: {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
 
     # -- transformer step ----------------------------------------------------------------------------------------
     step: dict[str, Any] = {}
+    torchao_compile_s: dict[str, float] = {}
     for batch in args.batches:
         fns: dict[str, Callable[[], Any]] = {}
         inputs = step_inputs(ours, batch, args.size, text_tokens)
         fns["diffusers"] = step_fn(reference, None, inputs)
+        if yardstick is not None:
+            fns[TORCHAO] = step_fn(yardstick, None, inputs)
+            try:  # its first calls compile: timed apart, outside the interleaved loop's warm-ups
+                torchao_compile_s[f"batch{batch}"], _ = timed(lambda: [fns[TORCHAO]() for _ in range(2)])
+            except Exception:
+                errors[f"{TORCHAO} batch {batch}"] = traceback.format_exc()[-2000:]
+                del fns[TORCHAO]
         fns["lossless"] = lossless_step_fn(ours, inputs)
         for name, pipe in variants.items():
             if by_name[name].step_cache is None:
@@ -302,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.in_batch > 0:  # steps as a batch runs them: the plan entered once for `in_batch` steps
             n = args.in_batch
             many = {"diffusers": step_fn(reference, None, inputs, n), "lossless": lossless_step_fn(ours, inputs, n)}
+            if TORCHAO in fns:
+                many[TORCHAO] = step_fn(yardstick, None, inputs, n)
             many.update({name: step_fn(variants[name], by_name[name], inputs, n) for name in fns if name in variants})
             try:
                 for name, t in time_steps(many, 1, max(3, args.repeats // 2)).items():
@@ -312,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(errors[f"in-batch step batch {batch}"], flush=True)
         with torch.no_grad():  # closeness of one step's output to lossless, per variant
             base = fns["lossless"]()[0].float()
-            for name in [n for n in variants if n in fns]:
+            for name in [n for n in [*variants, TORCHAO] if n in fns]:
                 out = fns[name]()[0].float()
                 step[f"batch{batch}"][name]["rel_err_vs_lossless"] = float((out - base).norm() / base.norm())
 
@@ -417,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         "high_step_speedup_in_batch": (b1["diffusers"]["in_batch_ms"] / b1[high_name]["in_batch_ms"]
                                        if "in_batch_ms" in b1.get(high_name or "", {}) else None),
         "in_batch_steps": args.in_batch,
+        "step_ms_torchao_recipe": b1.get(TORCHAO, {}).get("median_ms"),
+        "step_ms_torchao_recipe_in_batch": b1.get(TORCHAO, {}).get("in_batch_ms"),
+        "high_vs_torchao_recipe_in_batch": (b1[TORCHAO]["in_batch_ms"] / b1[high_name]["in_batch_ms"]
+                                            if "in_batch_ms" in b1.get(TORCHAO, {})
+                                            and "in_batch_ms" in b1.get(high_name or "", {}) else None),
+        "torchao_compile_s": torchao_compile_s,
         "high_e2e_speedup": e2e["diffusers"] / e2e["high"] if e2e else None,
         "e2e_s": e2e,
         "psnr_high_db": high_q.get(last_steps, {}).get("psnr_db"),
@@ -455,9 +502,18 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
         + " | ".join(f"PSNR {s} steps | SSIM {s} steps" for s in r["steps"]) + " | meets bar |",
         "|---|---|---|---|---|---|" + "---|---|" * len(r["steps"]) + "---|",
     ]
-    for key in ("diffusers", "lossless"):
-        s1, s2 = r["step"].get("batch1", {}).get(key, {}), r["step"].get("batch2", {}).get(key, {})
-        lines.append(f"| {key} | {f(s1.get('median_ms'), '.2f')} | - | {f(s2.get('median_ms'), '.2f')} | - | - | "
+    b1, b2 = r["step"].get("batch1", {}), r["step"].get("batch2", {})
+
+    def vs_diffusers(b: dict, key: str, field: str) -> str:
+        ok = key != "diffusers" and field in b.get(key, {}) and field in b.get("diffusers", {})
+        return f(b["diffusers"][field] / b[key][field], ".2f") if ok else "-"
+
+    references = ["diffusers", "lossless"] + ([TORCHAO] if TORCHAO in b1 or TORCHAO in b2 else [])
+    for key in references:
+        s1, s2 = b1.get(key, {}), b2.get(key, {})
+        lines.append(f"| {key} | {f(s1.get('median_ms'), '.2f')} | {vs_diffusers(b1, key, 'median_ms')} | "
+                     f"{f(s2.get('median_ms'), '.2f')} | {vs_diffusers(b2, key, 'median_ms')} | "
+                     f"{f(s1.get('rel_err_vs_lossless'), '.2e')} | "
                      + " | ".join("- | -" for _ in r["steps"]) + " | - |")
     for t in r["techniques"]:
         q = t["quality"]
@@ -471,9 +527,10 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
         lines += ["", f"Steps as a batch runs them (the plan entered once for {r['in_batch_steps']} consecutive steps, "
                       "so the per-batch setup is spread over them), ms per step:", "",
                   "| variant | B=1 | x diffusers | B=2 | x diffusers |", "|---|---|---|---|---|"]
-        for key in ("diffusers", "lossless"):
-            ms = [r["step"].get(f"batch{b}", {}).get(key, {}).get("in_batch_ms") for b in (1, 2)]
-            lines.append(f"| {key} | {f(ms[0], '.2f')} | - | {f(ms[1], '.2f')} | - |")
+        for key in references:
+            ms = [bb.get(key, {}).get("in_batch_ms") for bb in (b1, b2)]
+            lines.append(f"| {key} | {f(ms[0], '.2f')} | {vs_diffusers(b1, key, 'in_batch_ms')} | {f(ms[1], '.2f')} | "
+                         f"{vs_diffusers(b2, key, 'in_batch_ms')} |")
         for t in r["techniques"]:
             lines.append(f"| {t['name']} | {f(t.get('step_ms_in_batch_batch1'), '.2f')} | "
                          f"{f(t.get('speedup_in_batch_vs_diffusers_batch1'), '.2f')} | "
@@ -489,6 +546,10 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
               f"{f(r['high_step_speedup'], '.2f')}x. End to end ({r['e2e_steps']} steps, median of "
               f"{r['e2e_repeats']}): {r['e2e_s']} -> {f(r['high_e2e_speedup'], '.2f')}x. Lossless PNG md5 and "
               f"latents equal to diffusers: {r['lossless_png_md5_equal']} ({r['lossless_equal_by_steps']}).", ""]
+    if r.get("high_vs_torchao_recipe_in_batch") is not None:
+        lines += [f"The high set against `{TORCHAO}` (batch 1, in a batch): "
+                  f"{f(r['high_vs_torchao_recipe_in_batch'], '.2f')}x; the recipe's compile (its first two calls): "
+                  f"{r['torchao_compile_s']} s.", ""]
     if r["profile_high_step_ms_by_family"]:
         lines += ["Profile of the high set's step (B=1, CUDA kernel time per step):", "", "| family | ms |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in r["profile_high_step_ms_by_family"].items()]
