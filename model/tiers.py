@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import kernels
-from kernels.modulate import fast_norm_sites, set_fast_norm
-from model.flux import FirstBlockCache, attention8_sites, running, set_attention8
+from kernels.modulate import set_fast_norm
+from model.flux import FirstBlockCache, running, set_attention8
 from model.request import Quality
 
 if TYPE_CHECKING:
@@ -80,8 +80,8 @@ class TierReport:
 
 
 def _restore_lossless(transformer: torch.nn.Module) -> None:
-    if kernels.mounted_sites(transformer):
-        kernels.unmount(transformer)
+    # One walk over the modules per kind of site (the walks are most of a batch's host-side setup).
+    kernels.unmount(transformer)
     set_fast_norm(transformer, False)
     set_attention8(transformer, False)
 
@@ -106,13 +106,12 @@ def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
                 ok = agree(ok)
             if not ok:
                 kernels.unmount(transformer)
-            report.mounted_sites = len(kernels.mounted_sites(transformer))
+            # every site was unmounted before: what this mount switched on is all that is mounted
+            report.mounted_sites = len(report.mount_report.mounted) if ok else 0
         if plan.fast_norm:
-            set_fast_norm(transformer, True)
-            report.fast_norm_sites = fast_norm_sites(transformer)
+            report.fast_norm_sites = set_fast_norm(transformer, True)
         if plan.attention8:
-            set_attention8(transformer, True)
-            report.attention8_sites = attention8_sites(transformer)
+            report.attention8_sites = set_attention8(transformer, True)
         if plan.compiled:
             if block_runners is None:
                 raise ValueError("a compiled plan needs the compiled block runners")
