@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .fp8 import FP8, FP8_MAX, MIN_AMAX
+from .fp8 import FP8, FP8_MAX, MIN_AMAX, to_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +67,6 @@ def _blocks(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return F.pad(t, (0, 0, 0, 0, 0, pad)).view(B, -1, VBLOCK, H, D), S
 
 
-def _fp8(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = amax.clamp(min=MIN_AMAX) / FP8_MAX
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float(), scale
-
-
 def _int8(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = amax.clamp(min=MIN_AMAX) / 127.0
     y = x / scale
@@ -90,8 +85,8 @@ def fp8_attention_eager(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     k8, ks = _int8(kb, kb.abs().amax(dim=(2, 4), keepdim=True))
     k = (k8 * ks).flatten(1, 2)[:, :S]
     v = value.float()
-    v8, vs = _fp8(v, v.abs().amax(dim=1, keepdim=True))  # one scale per channel over all tokens
-    v8s = v8 * (vs / FP8_MAX)  # v's scale and P's 1/448 applied after the product
+    v8, vs = to_fp8(v, v.abs().amax(dim=1, keepdim=True))  # one scale per channel over all tokens
+    v8s = v8.float() * (vs / FP8_MAX)  # v's scale and P's 1/448 applied after the product
     qh = (q8 * qs).permute(0, 2, 1, 3)
     s = qh @ k.permute(0, 2, 3, 1) / math.sqrt(query.shape[-1])
     p = torch.exp(s - s.amax(dim=-1, keepdim=True))

@@ -93,6 +93,13 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.t().contiguous()
 
 
+def to_fp8(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x in e4m3 with `amax` (broadcasting against x: a row's, a channel's) mapped to FP8_MAX, saturating; and the
+    fp32 scale that multiplies it back."""
+    scale = amax.clamp(min=MIN_AMAX) / FP8_MAX
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
 def quantize_rows_eager(a: torch.Tensor, b: torch.Tensor | None = None,
                         gelu_b: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows`'s twin: rows of `cat([a, gelu(b) if gelu_b else b], -1)` in fp32 -> fp8, scale [M, 1]."""
@@ -100,8 +107,7 @@ def quantize_rows_eager(a: torch.Tensor, b: torch.Tensor | None = None,
     if b is not None:
         parts.append(F.gelu(b.float(), approximate="tanh") if gelu_b else b.float())
     x = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return to_fp8(x, x.abs().amax(dim=-1, keepdim=True))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
