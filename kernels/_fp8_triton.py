@@ -225,14 +225,13 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     y = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
     if M == 0:
         return y
-    block_m = max(16, triton.next_power_of_2(M))
-    if _interpreting():  # the interpreter loads no fp8: the same values in fp32
-        weight = weight.float()
-    args = (x, weight, weight_scale, weight_scale if bias is None else bias, y, M, N, K, x.stride(0), y.stride(0))
-    if _interpreting():
-        _weight_only_kernel[(triton.cdiv(N, 32),)](*args, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=32,
-                                                    BLOCK_K=64, INTERPRET=True)
-        return y
-    _weight_only_tuned[lambda m: (triton.cdiv(N, m["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None,
-                                                                  BLOCK_M=block_m, INTERPRET=False)
+    interpret = _interpreting()
+    meta = dict(HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(M)), INTERPRET=interpret)
+    args = (x, weight.float() if interpret else weight,  # the interpreter loads no fp8: the same values in fp32
+            weight_scale, weight_scale if bias is None else bias,  # (a placeholder pointer HAS_BIAS=False never reads)
+            y, M, N, K, x.stride(0), y.stride(0))
+    if interpret:  # no timing in the interpreter
+        _weight_only_kernel[(triton.cdiv(N, 32),)](*args, BLOCK_N=32, BLOCK_K=64, **meta)
+    else:
+        _weight_only_tuned[lambda m: (triton.cdiv(N, m["BLOCK_N"]),)](*args, **meta)
     return y
