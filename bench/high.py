@@ -180,18 +180,20 @@ def step_inputs(pipe: FluxServePipeline, batch: int, size: int, text_tokens: int
     )
 
 
+def _forwards(transformer: Any, inputs: dict[str, Any], calls: int) -> Any:
+    """`calls` forwards back to back; the last one's output."""
+    for _ in range(calls):
+        out = transformer(**inputs)
+    return out
+
+
 def step_fn(pipe: FluxServePipeline | Any, v: Variant | None, inputs: dict[str, Any],
             calls: int = 1) -> Callable[[], Any]:
     """`calls` transformer forwards under the variant's plan, entered once (None: a stock module, called as is). One
     call per entry times a step with the batch's setup; several time steps the way a batch runs them."""
     transformer = pipe.transformer
     if v is None:
-        def stock() -> Any:
-            for _ in range(calls):
-                out = transformer(**inputs)
-            return out
-
-        return stock
+        return lambda: _forwards(transformer, inputs, calls)
     plan = pipe.plan("high", compiled=False, cuda_graphs=v.cuda_graphs)
     if not v.mount_gelu:
         plan = plan_tier("high", fast_norm=plan.fast_norm, attention8=plan.attention8, cuda_graphs=plan.cuda_graphs,
@@ -199,9 +201,7 @@ def step_fn(pipe: FluxServePipeline | Any, v: Variant | None, inputs: dict[str, 
 
     def call() -> Any:
         with v.switches(), applied_tier(transformer, plan, step_graphs=pipe.step_graphs):
-            for _ in range(calls):
-                out = transformer(**inputs)
-            return out
+            return _forwards(transformer, inputs, calls)
 
     return call
 
@@ -211,9 +211,7 @@ def lossless_step_fn(pipe: FluxServePipeline, inputs: dict[str, Any], calls: int
 
     def call() -> Any:
         with applied_tier(pipe.transformer, plan):
-            for _ in range(calls):
-                out = pipe.transformer(**inputs)
-            return out
+            return _forwards(pipe.transformer, inputs, calls)
 
     return call
 
