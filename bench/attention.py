@@ -22,7 +22,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.kernel_ops import graph_time_us  # noqa: E402
+from bench.kernel_ops import graph_time_us, rel  # noqa: E402
 from kernels import attention as A  # noqa: E402
 from kernels import _attention_fp8_triton as T  # noqa: E402
 
@@ -37,10 +37,6 @@ def inputs(batch: int, seq: int, heads: int, dim: int, qk_gain: float, seed: int
     q, k = normed(), normed()
     v = torch.randn(batch, seq, heads, dim, device="cuda", generator=g)
     return tuple(t.bfloat16() for t in (q, k, v))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.kernel_ops import graph_time_us  # noqa: E402
+from bench.kernel_ops import graph_time_us, rel  # noqa: E402
 from kernels import fp8, switches  # noqa: E402
 
 # (name, rows, K, N, calls per step at 1024x1024, batch 1)
@@ -47,10 +47,6 @@ ADALN = [
     ("double block norm1 / norm1_context", 3072, 18432, 38),
     ("single block norm", 3072, 9216, 38),
 ]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def _layers(K: int, N: int, sets: int, weight_only: bool = False) -> list[tuple[nn.Linear, fp8.Fp8Linear]]:
@@ -74,7 +70,7 @@ def token_gemms(sets: int) -> tuple[list[str], list[dict]]:
         for fast in (False, True):
             with switches.override(fp8_fast_accum=fast):
                 t[fast] = graph_time_us([lambda f=f, q=q: f.matmul(*q) for (_, f), q in zip(layers, qs)])
-                err[fast] = _rel(layers[0][1].matmul(*qs[0]), ref)
+                err[fast] = rel(layers[0][1].matmul(*qs[0]), ref)
         tflops = 2 * M * K * N / 1e6  # per us -> TFLOP/s
         rows.append(f"| {name} | {M} x {K} -> {N} | {t_bf16:.1f} | {t[False]:.1f} | {t[True]:.1f} | "
                     f"{t[False] / t[True]:.2f} | {tflops / t[False]:.0f} | {tflops / t[True]:.0f} | "
@@ -102,12 +98,12 @@ def adaln(sets: int, batches: list[int]) -> tuple[list[str], list[dict]]:
             try:  # _scaled_mm with a single row: not every build takes it
                 t_q = graph_time_us([lambda f=f, x=x: f.matmul(*fp8.quantize_rows(x)) for (_, f), x in
                                      zip(layers, xs)])
-                e_q = _rel(f0.matmul(*fp8.quantize_rows(xs[0])), ref)
+                e_q = rel(f0.matmul(*fp8.quantize_rows(xs[0])), ref)
             except RuntimeError as exc:
                 print(f"quantized row + _scaled_mm at {B} rows: {exc}", flush=True)
                 t_q = e_q = float("nan")
-            e_wo = _rel(f0(xs[0]), ref)
-            e_bf16 = _rel(F.linear(xs[0], layers[0][0].weight, layers[0][0].bias), ref)
+            e_wo = rel(f0(xs[0]), ref)
+            e_bf16 = rel(F.linear(xs[0], layers[0][0].weight, layers[0][0].bias), ref)
             gbs = K * N / 1e3  # fp8 weight bytes per us -> GB/s
             rows.append(f"| {name} | {B} x {K} -> {N} | {t_bf16:.1f} | {t_wo:.1f} | {t_q:.1f} | "
                         f"{t_bf16 / t_wo:.2f} | {gbs / t_wo:.0f} | {e_wo:.1e} | {e_q:.1e} | {e_bf16:.1e} | "

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import kernels.switches  # noqa: E402
 from bench.e2e import _sync, timed  # noqa: E402
+from bench.kernel_ops import rel  # noqa: E402
 from model.loading import diffusers_reference, load_pipeline  # noqa: E402
 from model.metrics import psnr, ssim  # noqa: E402
 from model.pipeline import FluxServePipeline, GenerationRequest, md5, run_flux_pipeline  # noqa: E402
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             base = fns["lossless"]()[0].float()
             for name in [n for n in [*variants, TORCHAO] if n in fns]:
                 out = fns[name]()[0].float()
-                step[f"batch{batch}"][name]["rel_err_vs_lossless"] = float((out - base).norm() / base.norm())
+                step[f"batch{batch}"][name]["rel_err_vs_lossless"] = rel(out, base)
 
     # -- end to end: quality per variant and step count, timing of diffusers / lossless / the high set ------------
     def req(quality: str, steps: int) -> GenerationRequest:

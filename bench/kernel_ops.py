@@ -33,6 +33,11 @@ RESIDUAL_SHAPES = [(1, 4096, 3072), (1, 512, 3072), (1, 4608, 3072), (2, 4096, 3
 GELU_ROWS = [512, 4096, 4608, 1024, 8192, 9216]
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative (Frobenius) error of `a` against `b`, in fp32."""
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
 def graph_time_us(calls: list[Callable[[], object]], reps: int = 30) -> float:
     """Median GPU time of one call: all `calls` (one per input set) captured in one CUDA graph, replayed `reps`
     times; launch gaps and Python overhead are out of the number."""
