@@ -1,10 +1,11 @@
-"""8-bit attention (int8 Q K^T, fp8 P V; kernels/attention.py) against SDPA on one GPU (a script, not a test).
+"""8-bit attention (kernels/attention.py) against SDPA on one GPU (a script, not a test).
 
 FLUX.1-dev's joint attention at 1024x1024 (4096 image + 512 text tokens, 24 heads of 128), batch 1 and 2: median GPU
-time per call over CUDA-graph replays (bench/kernel_ops.graph_time_us), SDPA by backend, the 8-bit path whole and
-its two launches alone, and the relative error of each against fp32 attention on inputs shaped like FLUX's (q and k
-RMS-normed per head, then scaled; v Gaussian). Synthetic inputs: the errors bound the kernel's arithmetic, not an
-image's quality (bench/high.py measures that).
+time per call over CUDA-graph replays (bench/kernel_ops.graph_time_us), SDPA by backend, the Triton 8-bit path (int8
+Q K^T, fp8 P V) whole and its two launches alone, cuDNN's fp8 SDPA (where nvidia-cudnn-frontend is installed) whole
+as the model runs it and alone, and the relative error of each against fp32 attention on inputs shaped like FLUX's
+(q and k RMS-normed per head, then scaled; v Gaussian). Synthetic inputs: the errors bound the kernel's arithmetic,
+not an image's quality (bench/high.py measures that).
 
   python bench/attention.py --out bench/results/attention-h200.md
 """
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from bench.kernel_ops import graph_time_us, rel  # noqa: E402
 from kernels import attention as A  # noqa: E402
 from kernels import _attention_fp8_triton as T  # noqa: E402
+from kernels import _high_triton as K  # noqa: E402
 
 
 def inputs(batch: int, seq: int, heads: int, dim: int, qk_gain: float, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -37,6 +39,16 @@ def inputs(batch: int, seq: int, heads: int, dim: int, qk_gain: float, seed: int
     q, k = normed(), normed()
     v = torch.randn(batch, seq, heads, dim, device="cuda", generator=g)
     return tuple(t.bfloat16() for t in (q, k, v))
+
+
+def _identity_rope(q: torch.Tensor, dim: int, gain: float = 1.0) -> tuple[torch.nn.RMSNorm, tuple[torch.Tensor, ...]]:
+    """An RMSNorm of weight `gain` and RoPE tables that rotate by 0 (q and k here are normed already: re-norming
+    them changes them by rounding only)."""
+    norm = torch.nn.RMSNorm(dim, eps=1e-6).to(q.device, q.dtype).requires_grad_(False)  # else eager norms run
+    with torch.no_grad():
+        norm.weight.fill_(gain)
+    S = q.shape[1]
+    return norm, (torch.ones(S, dim, device=q.device), torch.zeros(S, dim, device=q.device))
 
 
 def main() -> None:
@@ -67,6 +79,17 @@ def main() -> None:
         pre = T.quantize_qkv(q, k, v, A.VBLOCK)
         out = torch.empty_like(q)
         t["8-bit: attention only"] = graph_time_us([lambda: T.attend_quantized(*pre, out)])
+        if A.cudnn_fp8_refusal(q) is None:  # cuDNN's fp8 SDPA, fed the way the model feeds it
+            norm, ident = _identity_rope(q, args.dim)
+            qkv = ((None, q), (None, k), (None, v), (None, norm), (None, norm), *ident)
+            t["cuDNN fp8 (QK norm + RoPE to fp8, v to fp8, attention, output to bf16)"] = graph_time_us(
+                [lambda: A.rope_attention_fp8(*qkv)])
+            q8, dq = K.rms_rope_fast(None, q, None, norm.weight, 0.0, norm.eps, *ident, fp8=True)
+            v8, vs = T.tokens_fp8(None, v)
+            graph = A._cudnn_graph(B, args.seq, args.heads, args.dim, q.device)
+            t["cuDNN fp8: attention only"] = graph_time_us([lambda: graph(q8, q8, v8, dq, dq, vs)])
+        else:
+            print(f"cuDNN fp8: {A.cudnn_fp8_refusal(q)}", flush=True)
         best = T._attention_tuned.best_config
         for name, us in t.items():
             rows.append(f"| {B} | {name} | {us:.1f} | {flops / us / 1e6:.0f} |")
@@ -78,6 +101,12 @@ def main() -> None:
         ref = A.sdpa(q.float(), k.float(), v.float())
         e = {"sdpa bf16": rel(A.sdpa(q, k, v), ref), "8-bit": rel(A.fp8_attention(q, k, v), ref),
              "8-bit vs its eager twin": rel(A.fp8_attention(q, k, v), A.fp8_attention_eager(q, k, v))}
+        if A.cudnn_fp8_refusal(q) is None:
+            # the norm's weight carries the gain here (the fp8 scale of q and k is bounded by it)
+            norm, ident = _identity_rope(q, args.dim, gain)
+            unit = (q.float() / gain).bfloat16(), (k.float() / gain).bfloat16()
+            e["cuDNN fp8"] = rel(A.rope_attention_fp8((None, unit[0]), (None, unit[1]), (None, v), (None, norm),
+                                                      (None, norm), *ident), ref)
         err_rows.append(f"| {gain} | " + " | ".join(f"{x:.2e}" for x in e.values()) + " |")
         print(err_rows[-1], flush=True)
         results.append({"qk_gain": gain, "rel_err": e})
@@ -89,7 +118,8 @@ def main() -> None:
         "", "| batch | path | us | TFLOP/s |", "|---|---|---|---|", *rows, "",
         "Relative error against fp32 attention (batch 1; q, k RMS-normed then scaled by the gain: larger gains, "
         "peakier softmax; synthetic inputs):", "",
-        "| q/k gain | " + " | ".join(results[-1]["rel_err"]) + " |", "|---|---|---|---|", *err_rows, "",
+        "| q/k gain | " + " | ".join(results[-1]["rel_err"]) + " |",
+        "|---" * (len(results[-1]["rel_err"]) + 1) + "|", *err_rows, "",
     ])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

@@ -3,7 +3,8 @@
 The high tier replayed from a CUDA graph at batch 1 takes longer than the sum of its kernels' times. This replays
 one step per variant under torch.profiler and reads the kernel timeline: kernels per step, their summed time, the
 step's span (first kernel start to last kernel end) and the idle time between consecutive kernels, with the kernel
-families that precede the largest gaps. Random weights (flux-dev-random): timing only.
+families that precede the largest gaps, and the kernels that take the most time. Random weights (flux-dev-random):
+timing only.
 
   python bench/step_timeline.py --out bench/results/step-timeline-h200.md
 """
@@ -28,7 +29,7 @@ from bench.high import VARIANTS, build_variants, kernel_family, lossless_step_fn
 from model.loading import load_pipeline  # noqa: E402
 
 
-def timeline(fn: Callable[[], Any], steps: int = 3) -> dict[str, Any]:
+def timeline(fn: Callable[[], Any], steps: int = 3, top_kernels: int = 25) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():
@@ -51,9 +52,13 @@ def timeline(fn: Callable[[], Any], steps: int = 3) -> dict[str, Any]:
     bounds = [0, *[c + 1 for c in cuts], len(kernels)]
     per_step = []
     after: dict[str, float] = defaultdict(float)
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # kernel name -> [calls, us], over all steps
     for a, b in zip(bounds, bounds[1:]):
         ks = kernels[a:b]
         busy = sum(k[1] for k in ks)
+        for k in ks:
+            by_name[k[2]][0] += 1
+            by_name[k[2]][1] += k[1]
         span = ks[-1][0] + ks[-1][1] - ks[0][0]
         for i in range(len(ks) - 1):
             gap = ks[i + 1][0] - (ks[i][0] + ks[i][1])
@@ -63,7 +68,10 @@ def timeline(fn: Callable[[], Any], steps: int = 3) -> dict[str, Any]:
         per_step.append({"kernels": len(ks), "busy_ms": busy / 1000, "span_ms": span / 1000,
                          "gap_ms": (span - busy) / 1000,
                          "median_gap_us": statistics.median(small) if small else 0.0})
-    return {"steps": per_step, "gap_ms_by_transition": dict(sorted(after.items(), key=lambda kv: -kv[1])[:8])}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top_kernels]
+    return {"steps": per_step, "gap_ms_by_transition": dict(sorted(after.items(), key=lambda kv: -kv[1])[:8]),
+            "top_kernels": [{"name": n, "calls_per_step": c / steps, "ms_per_step": us / 1000 / steps,
+                             "family": kernel_family(n)} for n, (c, us) in top]}
 
 
 def main() -> None:
@@ -99,6 +107,10 @@ def main() -> None:
         "Gap time per step by the kernel families on either side (ms):", "",
         *[f"- {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["gap_ms_by_transition"].items())
           for name, r in results.items()],
+        *[line for name, r in results.items() for line in (
+            "", f"Kernels by time per step, {name}:", "", "| kernel | family | calls | ms |", "|---|---|---|---|",
+            *[f"| `{k['name'][:90]}` | {k['family']} | {k['calls_per_step']:.0f} | {k['ms_per_step']:.2f} |"
+              for k in r["top_kernels"]])],
         "", f"Variants not built: {errors}" if errors else "",
     ])
     Path(args.out).write_text(text)

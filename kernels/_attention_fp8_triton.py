@@ -174,3 +174,76 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int,
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return attend_quantized(*quantize_qkv(q, k, v, block), out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# For cuDNN's fp8 attention (per-tensor scales): v as one fp8 tensor, and the fp8 output back to bf16
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tokens_fp8_kernel(
+    txt_ptr, img_ptr, out_ptr, amax_ptr, scales_ptr, M, T, S, N, txt_sb, txt_ss, img_sb, img_ss,
+    QUANTIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # Rows of cat([txt, img], dim=1) ([B, T + I, N] with N = H * D; each source row's N values contiguous). Pass 1
+    # (QUANTIZE=False): the tensor's amax, folded into amax_ptr (zeroed by the caller) with atomic max. Pass 2: the
+    # values scaled by 448 / amax into fp8 e4m3, and the scales the attention call needs: scales[0] = amax / 448
+    # (v's descale, which is also the output's: softmax rows average v, so |o| <= amax), scales[1] = 448 / amax.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    b = rows // S
+    s = rows % S
+    is_txt = (s < T)[:, None]
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    at_t = txt_ptr + (b * txt_sb + s * txt_ss)[:, None] + cols[None, :]
+    at_i = img_ptr + (b * img_sb + (s - T) * img_ss)[:, None] + cols[None, :]
+    x = tl.where(is_txt, tl.load(at_t, mask=ok & is_txt, other=0.0),
+                 tl.load(at_i, mask=ok & ~is_txt, other=0.0)).to(tl.float32)
+    if not QUANTIZE:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    else:
+        amax = tl.maximum(tl.load(amax_ptr), 1e-12)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(scales_ptr, amax / 448.0)
+            tl.store(scales_ptr + 1, 448.0 / amax)
+        y = tl.minimum(tl.maximum(x * (448.0 / amax), -448.0), 448.0)
+        if not INTERPRET:
+            y = y.to(tl.float8e4nv)
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=ok)
+
+
+def tokens_fp8(txt: torch.Tensor | None, img: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cat([txt, img], dim=1) of [B, *, H, D] tensors with contiguous (H, D) rows -> (fp8 e4m3 [B, T + I, H, D], fp32
+    scales [2]: amax / 448 and its inverse), one scale for the whole tensor (two launches: amax, then the values)."""
+    B, I, H, D = img.shape
+    T = 0 if txt is None else txt.shape[1]
+    src_t = img if txt is None else txt
+    interpret = _interpreting()
+    out = torch.empty((B, T + I, H, D), dtype=torch.float32 if interpret else torch.float8_e4m3fn, device=img.device)
+    amax = torch.zeros(1, dtype=torch.float32, device=img.device)
+    scales = torch.empty(2, dtype=torch.float32, device=img.device)
+    M, N, rows, block = B * (T + I), H * D, 4, 1024
+    grid = (triton.cdiv(M, rows), triton.cdiv(N, block))
+    for quantize in (False, True):
+        _tokens_fp8_kernel[grid](src_t, img, out, amax, scales, M, T, T + I, N, src_t.stride(0), src_t.stride(1),
+                                 img.stride(0), img.stride(1), QUANTIZE=quantize, ROWS=rows, BLOCK=block,
+                                 INTERPRET=interpret, num_warps=8)
+    return (out.to(torch.float8_e4m3fn) if interpret else out), scales
+
+
+@triton.jit
+def _dequant_kernel(x_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    y = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32) * tl.load(scale_ptr)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous fp8 tensor times the scalar `scale` (fp32, on the device) -> `dtype`."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    src = x.float() if _interpreting() else x  # the interpreter computes no fp8
+    n = x.numel()
+    _dequant_kernel[(triton.cdiv(n, 4096),)](src, scale, out, n, BLOCK=4096, num_warps=8)
+    return out

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lossless_triton import _TL_DTYPE, _cast
+from ._lossless_triton import _TL_DTYPE, _cast, _interpreting
 
 # ----------------------------------------------------------------------------------------------------------------
 # LayerNorm (no affine) + AdaLN modulation in one pass
@@ -56,3 +56,99 @@ def ln_modulate_fast(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, 
         TY=_TL_DTYPE[x.dtype], BLOCK_N=block, num_warps=max(1, min(8, block // 512)),
     )
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# QK RMSNorm + RoPE on [text; image] -> joint buffer, in one pass
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_rope_fast_kernel(
+    txt_ptr, img_ptr, wt_ptr, wi_ptr, cos_ptr, sin_ptr, out_ptr,
+    M, T, I, H, eps_t, eps_i, txt_sb, txt_ss, img_sb, img_ss, descale_ptr,
+    TY: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, HB: tl.constexpr, FP8: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # Program (ROWS rows of the joint [B * (T + I)] sequence, HB heads); a row reads the text or the image tensor.
+    # Not bit-exact (quality "high"): the per-head sum of squares in Triton's reduction order, and the normed value
+    # is not rounded before RoPE. RoPE's pair partner (column d ^ 1) is loaded a second time (L1) instead of shuffled.
+    S = T + I
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < M
+    b = rows // S
+    s = rows % S
+    is_txt = s < T
+    src = tl.where(is_txt, b * txt_sb + s * txt_ss, b * img_sb + (s - T) * img_ss)
+    heads = tl.program_id(1) * HB + tl.arange(0, HB)
+    d = tl.arange(0, D)
+    col = heads[None, :, None] * D + d[None, None, :]  # [1, HB, D]: offsets within a row
+    txt3 = is_txt[:, None, None]
+    ok = row_ok[:, None, None] & (heads < H)[None, :, None]
+    at_t = txt_ptr + src[:, None, None]
+    at_i = img_ptr + src[:, None, None]
+    x = tl.where(txt3, tl.load(at_t + col, mask=ok & txt3, other=0.0),
+                 tl.load(at_i + col, mask=ok & ~txt3, other=0.0)).to(tl.float32)
+    xp = tl.where(txt3, tl.load(at_t + (col ^ 1), mask=ok & txt3, other=0.0),
+                  tl.load(at_i + (col ^ 1), mask=ok & ~txt3, other=0.0)).to(tl.float32)
+    eps = tl.where(is_txt, eps_t, eps_i)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=2) / D + eps[:, None])[:, :, None]  # [ROWS, HB, 1]
+    w = tl.where(txt3, tl.load(wt_ptr + d)[None, None, :], tl.load(wi_ptr + d)[None, None, :]).to(tl.float32)
+    wp = tl.where(txt3, tl.load(wt_ptr + (d ^ 1))[None, None, :],
+                  tl.load(wi_ptr + (d ^ 1))[None, None, :]).to(tl.float32)
+    c = tl.load(cos_ptr + s[:, None, None] * D + d[None, None, :], mask=row_ok[:, None, None], other=0.0)
+    sn = tl.load(sin_ptr + s[:, None, None] * D + d[None, None, :], mask=row_ok[:, None, None], other=0.0)
+    # out[2i] = x[2i] cos - x[2i+1] sin; out[2i+1] = x[2i+1] cos + x[2i] sin (diffusers' interleaved pairs)
+    sign = tl.where((d % 2) == 0, -1.0, 1.0)[None, None, :]
+    y = (x * w * rstd) * c + sign * (xp * wp * rstd) * sn
+    out = out_ptr + rows[:, None, None] * (H * D) + col
+    if FP8:
+        # fp8 e4m3 with one scale for the whole tensor, known before any value: |x_i| * rstd <= sqrt(D), so a normed
+        # element is at most max|w| sqrt(D), and RoPE rotates pairs without growing them. Every program derives the
+        # same bound from the weights; program (0, 0) publishes its descale.
+        wmax = tl.maximum(tl.max(tl.abs(tl.load(wt_ptr + d).to(tl.float32)), axis=0),
+                          tl.max(tl.abs(tl.load(wi_ptr + d).to(tl.float32)), axis=0))
+        bound = tl.maximum(tl.sqrt(wmax * wmax * D), 1e-12)  # max|w| * sqrt(D)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(descale_ptr, bound / 448.0)
+        y = tl.minimum(tl.maximum(y * (448.0 / bound), -448.0), 448.0)
+        if not INTERPRET:  # the interpreter's fp8 cast rounds wrongly: fp32 out, the wrapper casts
+            y = y.to(tl.float8e4nv)
+        tl.store(out, y, mask=ok)
+    else:
+        tl.store(out, _cast(y, TY), mask=ok)
+
+
+# Tiles measured on the GPU at first use per (H, D): ROWS tokens x HB heads per program (heads past H masked).
+_RMS_ROPE_CONFIGS = [triton.Config({"ROWS": r, "HB": hb}, num_warps=w)
+                     for r, hb, w in ((1, 8, 4), (2, 8, 4), (2, 8, 8), (4, 8, 8), (4, 4, 4), (8, 4, 8), (8, 2, 4))]
+_rms_rope_fast_tuned = triton.autotune(configs=_RMS_ROPE_CONFIGS, key=["H", "D", "FP8"])(_rms_rope_fast_kernel)
+
+
+def rms_rope_fast(
+    txt: torch.Tensor | None, img: torch.Tensor, w_txt: torch.Tensor | None, w_img: torch.Tensor,
+    eps_txt: float, eps_img: float, cos: torch.Tensor, sin: torch.Tensor, fp8: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RoPE(cat([rms_norm(txt), rms_norm(img)])) for txt/img [B, *, H, D] with contiguous (H, D) rows, D a power of
+    two >= 2; weights [D]; cos/sin fp32 [T + I, D] -> [B, T + I, H, D] in img's dtype (close to, not equal to, the
+    lossless kernels/_lossless_triton.rms_rope_cat). fp8=True: (fp8 e4m3 values, fp32 descale [1]) instead, one
+    scale for the tensor, from the weights' bound on a normed value (see the kernel)."""
+    B, I, H, D = img.shape
+    T = 0 if txt is None else txt.shape[1]
+    src_t = img if txt is None else txt
+    w_t = w_img if w_txt is None else w_txt
+    interpret = _interpreting()
+    out_dtype = (torch.float32 if interpret else torch.float8_e4m3fn) if fp8 else img.dtype
+    out = torch.empty((B, T + I, H, D), dtype=out_dtype, device=img.device)
+    descale = torch.empty(1, dtype=torch.float32, device=img.device)
+    M = B * (T + I)
+    args = (src_t, img, w_t, w_img, cos, sin, out, M, T, I, H, float(eps_txt if txt is not None else eps_img),
+            float(eps_img), src_t.stride(0), src_t.stride(1), img.stride(0), img.stride(1), descale)
+    meta = dict(TY=_TL_DTYPE[img.dtype], D=D, FP8=fp8, INTERPRET=interpret)
+    if interpret:  # no timing in the interpreter: one fixed tile
+        hb = 2 if H % 2 == 0 else 1
+        _rms_rope_fast_kernel[(triton.cdiv(M, 2), triton.cdiv(H, hb))](*args, ROWS=2, HB=hb, **meta)
+        out = out.to(torch.float8_e4m3fn) if fp8 else out
+    else:
+        _rms_rope_fast_tuned[lambda m: (triton.cdiv(M, m["ROWS"]), triton.cdiv(H, m["HB"]))](*args, **meta)
+    return (out, descale) if fp8 else out

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from . import switches
 from .fp8 import FP8, FP8_MAX, MIN_AMAX, to_fp8
 
 logger = logging.getLogger(__name__)
@@ -102,6 +106,141 @@ def fp8_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     from . import _attention_fp8_triton
 
     return _attention_fp8_triton.attention(query, key, value, VBLOCK, out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cuDNN's fp8 attention (Hopper): q, k, v and the output in fp8 e4m3 with one scale per tensor
+# ----------------------------------------------------------------------------------------------------------------
+
+CUDNN_FP8 = switches.register(
+    "attention8_cudnn", True,
+    "8-bit attention through cuDNN's fp8 SDPA where it applies (Hopper or newer, nvidia-cudnn-frontend installed, "
+    "head size 128, after QK RMSNorm + RoPE); off: the Triton int8 Q K^T / fp8 P V kernel")
+_CUDNN_HEAD_DIM = 128
+_cudnn_lock = threading.Lock()
+_cudnn_graphs: dict[tuple[Any, ...], "_CudnnFp8Graph"] = {}
+_cudnn_handles: dict[int, Any] = {}
+
+
+def cudnn_fp8_refusal(query: torch.Tensor, attn_mask: torch.Tensor | None = None) -> str | None:
+    """Why cuDNN's fp8 attention cannot take q of this kind, or None when it can."""
+    if not CUDNN_FP8.value:
+        return "cuDNN fp8 attention is switched off (attention8_cudnn)"
+    if query.device.type != "cuda":
+        return f"cuDNN fp8 attention needs a CUDA device (inputs are on {query.device})"
+    if torch.cuda.get_device_capability(query.device) < (9, 0):
+        return "cuDNN fp8 attention needs compute capability >= 9.0 (Hopper)"
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        return f"cuDNN fp8 attention takes bf16/fp16 inputs, got {query.dtype}"
+    if attn_mask is not None:
+        return "cuDNN fp8 attention is built without a mask"
+    if query.shape[-1] != _CUDNN_HEAD_DIM:
+        return f"cuDNN fp8 attention is built for head size {_CUDNN_HEAD_DIM}, got {query.shape[-1]}"
+    try:
+        import cudnn
+    except ImportError:
+        return "nvidia-cudnn-frontend is not installed"
+    if cudnn.backend_version() < 90100:
+        return f"cuDNN fp8 attention needs cuDNN >= 9.1, found {cudnn.backend_version()}"
+    return None
+
+
+class _CudnnFp8Graph:
+    """cuDNN's fp8 SDPA forward built for one (B, S, H, D, device): inputs and output are [B, S, H, D] in memory
+    (what the projections produce), seen by cuDNN as [B, H, S, D] with strides; inference only, no mask."""
+
+    def __init__(self, B: int, S: int, H: int, D: int, device: torch.device) -> None:
+        import cudnn
+
+        dt = cudnn.data_type
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _cudnn_handles:
+            with torch.cuda.device(index):
+                _cudnn_handles[index] = cudnn.create_handle()
+        self.handle = _cudnn_handles[index]
+        g = cudnn.pygraph(io_data_type=dt.HALF, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
+                          handle=self.handle)
+        dims, strides = [B, H, S, D], [S * H * D, D, H * D, 1]
+        self.q, self.k, self.v = (g.tensor(name=n, dim=dims, stride=strides, data_type=dt.FP8_E4M3) for n in "qkv")
+        self.scalars = [g.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
+                        for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")]
+        dq, dk, dv, ds, ss, so = self.scalars
+        self.o, _, self.amax_s, self.amax_o = g.sdpa_fp8(
+            q=self.q, k=self.k, v=self.v, descale_q=dq, descale_k=dk, descale_v=dv, descale_s=ds, scale_s=ss,
+            scale_o=so, is_inference=True, attn_scale=1.0 / math.sqrt(D), use_causal_mask=False)
+        # Only fp8 outputs exist on Hopper (cuDNN's bf16 output needs Blackwell).
+        self.o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(dt.FP8_E4M3)
+        for t in (self.amax_s, self.amax_o):
+            t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(dt.FLOAT)
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        self.graph = g
+        self.workspace_bytes = max(1, g.get_workspace_size())
+        # P = softmax in [0, 1] goes to fp8 scaled by 448 (e4m3's largest value), as the Triton kernel does.
+        self.p_scales = torch.tensor([1.0 / FP8_MAX, FP8_MAX], dtype=torch.float32, device=device)
+
+    def __call__(self, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
+                 descale_k: torch.Tensor, v_scales: torch.Tensor) -> torch.Tensor:
+        import cudnn
+
+        o8 = torch.empty_like(q8)
+        amax = torch.empty(2, dtype=torch.float32, device=q8.device)  # cuDNN reports amax of P and O: unused
+        # a workspace per call from torch's stream-ordered allocator (safe with CUDA graphs and several streams)
+        workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=q8.device)
+        one = (1, 1, 1, 1)
+        pack = {self.q: q8, self.k: k8, self.v: v8, self.o: o8,
+                self.scalars[0]: descale_q.view(one), self.scalars[1]: descale_k.view(one),
+                self.scalars[2]: v_scales[0:1].view(one), self.scalars[3]: self.p_scales[0:1].view(one),
+                self.scalars[4]: self.p_scales[1:2].view(one), self.scalars[5]: v_scales[1:2].view(one),
+                self.amax_s: amax[0:1].view(one), self.amax_o: amax[1:2].view(one)}
+        with _cudnn_lock:  # one handle per device: its stream is set per call
+            cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(q8.device).cuda_stream)
+            self.graph.execute(pack, workspace, handle=self.handle)
+        return o8
+
+
+def _cudnn_graph(B: int, S: int, H: int, D: int, device: torch.device) -> _CudnnFp8Graph:
+    key = (B, S, H, D, str(device))
+    with _cudnn_lock:
+        graph = _cudnn_graphs.get(key)
+        if graph is None:
+            graph = _cudnn_graphs[key] = _CudnnFp8Graph(B, S, H, D, device)
+    return graph
+
+
+def rope_attention_fp8(
+    q: tuple[torch.Tensor | None, torch.Tensor], k: tuple[torch.Tensor | None, torch.Tensor],
+    v: tuple[torch.Tensor | None, torch.Tensor], norms_q: tuple[nn.Module | None, nn.Module],
+    norms_k: tuple[nn.Module | None, nn.Module], cos: torch.Tensor, sin: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Joint attention from projected (not yet normed) q, k, v given as (text or None, image) [B, *, H, D] pairs,
+    through cuDNN's fp8 SDPA (quality "high", not bit-exact): q and k leave the fast QK RMSNorm + RoPE pass in fp8
+    (one scale each, bounded by their norm weights), v is quantized with its amax, the fp8 output (v's scale: an
+    average of v rows is bounded by v) comes back in q's dtype. -> [B, T + I, H, D], or None where it does not apply
+    (the refusal is logged once; the caller runs its own path)."""
+    from . import _attention_fp8_triton
+    from .rope import rms_rope_fp8
+
+    reason = cudnn_fp8_refusal(q[1], attn_mask)
+    q8 = k8 = None
+    if reason is None:
+        q8 = rms_rope_fp8(q[0], q[1], norms_q[0], norms_q[1], cos, sin)
+        k8 = rms_rope_fp8(k[0], k[1], norms_k[0], norms_k[1], cos, sin)
+        if q8 is None or k8 is None:
+            reason = "cuDNN fp8 attention: the fast QK RMSNorm + RoPE pass does not apply to these inputs"
+    if reason is not None:
+        if reason not in _refusals_logged:
+            _refusals_logged.add(reason)
+            logger.warning("%s: another attention path kept", reason)
+        return None
+    v8, v_scales = _attention_fp8_triton.tokens_fp8(v[0], v[1])
+    B, S, H, D = v8.shape
+    o8 = _cudnn_graph(B, S, H, D, v8.device)(q8[0], k8[0], v8, q8[1], k8[1], v_scales)
+    return _attention_fp8_triton.dequantize(o8, v_scales[0:1], q[1].dtype)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,

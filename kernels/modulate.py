@@ -127,7 +127,8 @@ def layer_norm_modulate(
 
 
 def mark_norm_site(module: nn.Module) -> None:
-    """Declare that `module` computes LayerNorm+modulate through `layer_norm_modulate(..., fast=fast_norm(module))`."""
+    """Declare `module` a norm site: it computes LayerNorm + modulate through `layer_norm_modulate(...,
+    fast=fast_norm(module))` (or, an attention module, QK RMSNorm + RoPE through `kernels.rope.rms_rope_cat`)."""
     setattr(module, _FAST_NORM_ATTR, False)
 
 

@@ -7,6 +7,7 @@ temporaries). Used for q and k; `txt=None` is plain RoPE (single-stream blocks).
 `rms_rope_cat(txt, img, norm_txt, norm_img, cos, sin)` also folds in the per-head QK RMSNorm that precedes RoPE
 (torch's CUDA rms_norm reduction order, replayed per head), so q and k go from the projection output to the joint
 rotated tensor in one pass. Its own gate; where it does not apply it is `rope_cat(norm_txt(txt), norm_img(img))`.
+With `fast=True` (the `high` tier's fast norms) the same pass runs in a non-exact kernel (kernels/_high_triton.py).
 """
 
 from __future__ import annotations
@@ -100,9 +101,19 @@ def _rms_signature(
 
 def rms_rope_cat(
     txt: torch.Tensor | None, img: torch.Tensor, norm_txt: nn.Module | None, norm_img: nn.Module,
-    cos: torch.Tensor, sin: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, fast: bool = False,
 ) -> torch.Tensor:
-    """`rope_cat(norm_txt(txt), norm_img(img), cos, sin)` (txt may be None) bit for bit, in one pass on CUDA."""
+    """`rope_cat(norm_txt(txt), norm_img(img), cos, sin)` (txt may be None) bit for bit, in one pass on CUDA.
+
+    fast=True (quality "high"): where the exact kernel applies, a non-exact one-pass kernel instead (several rows
+    and heads per program, Triton's own reduction order); elsewhere the lossless path."""
+    if fast and not torch.compiler.is_compiling() and _rms_signature(txt, img, norm_txt, norm_img, cos, sin):
+        from . import _high_triton
+
+        return _high_triton.rms_rope_fast(
+            txt, img, None if txt is None else norm_txt.weight, norm_img.weight,
+            0.0 if txt is None else norm_txt.eps, norm_img.eps, cos, sin,
+        )
 
     def fast() -> torch.Tensor:
         from . import _lossless_triton
@@ -116,3 +127,21 @@ def rms_rope_cat(
         return rope_cat(None if txt is None else norm_txt(txt), norm_img(img), cos, sin)
 
     return RMS_GATE.run(_rms_signature(txt, img, norm_txt, norm_img, cos, sin), fast, eager)
+
+
+def rms_rope_fp8(
+    txt: torch.Tensor | None, img: torch.Tensor, norm_txt: nn.Module | None, norm_img: nn.Module,
+    cos: torch.Tensor, sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`rms_rope_cat(..., fast=True)` quantized to fp8 e4m3 in the same pass, with one scale for the tensor that the
+    norm weights bound (quality "high"): (values [B, T + I, H, D], fp32 descale [1]), or None where the kernel does
+    not apply (CPU, odd layouts, torch.compile)."""
+    if torch.compiler.is_compiling() or _rms_signature(txt, img, norm_txt, norm_img, cos, sin) is None:
+        return None
+    from . import _high_triton
+
+    return _high_triton.rms_rope_fast(
+        txt, img, None if txt is None else norm_txt.weight, norm_img.weight,
+        0.0 if txt is None else norm_txt.eps, norm_img.eps, cos, sin, fp8=True,
+    )
+

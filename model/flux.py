@@ -36,7 +36,7 @@ from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 from diffusers.utils import apply_lora_scale, logging
 
 from kernels import gelu_site, mark_fused_gelu_site, residual_gate_add, switches
-from kernels.attention import attention
+from kernels.attention import attention, rope_attention_fp8
 from kernels.fp8 import Fp8Linear, convertible, fp8_refusal, linear_cat_gelu
 from kernels.gelu import unmark_fused_gelu_site
 from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site, norm_fp8, set_norm_fp8
@@ -215,6 +215,7 @@ class FluxAttention(nn.Module):
         self.to_added_qkv: nn.Module | None = None
         # High tier, per batch (`set_attention8`): 8-bit attention instead of SDPA.
         self.attention8 = False
+        mark_norm_site(self)  # QK RMSNorm + RoPE: the fast kernel when the tier switches norms to it
 
     def fuse_projections(self) -> None:
         """q, k, v as one stacked linear (and add_q/k/v as another); the separate layers are dropped. Not bit-exact
@@ -276,20 +277,33 @@ class FluxAttention(nn.Module):
     ) -> torch.Tensor:
         """Attention of projected (not yet normed) q, k, v [B, S, heads, head_dim], the text stream's first when
         given: QK RMSNorm, RoPE, SDPA -> [B, S, heads * head_dim] (written into `out` when given)."""
-        encoder_query = encoder_key = None
+        encoder_query = encoder_key = encoder_value = None
         if encoder_qkv is not None:
             encoder_query, encoder_key, encoder_value = encoder_qkv
-            # Text tokens first, as in diffusers (the RoPE table is laid out txt_ids then img_ids).
-            value = torch.cat([encoder_value, value], dim=1)
         norm_added_q = self.norm_added_q if encoder_query is not None else None
         norm_added_k = self.norm_added_k if encoder_query is not None else None
+
+        if self.attention8 and image_rotary_emb is not None:
+            # cuDNN's fp8 attention, q and k quantized by their norm pass (None where it does not apply).
+            hidden_states = rope_attention_fp8(
+                (encoder_query, query), (encoder_key, key), (encoder_value, value), (norm_added_q, self.norm_q),
+                (norm_added_k, self.norm_k), *image_rotary_emb, attention_mask)
+            if hidden_states is not None:
+                if out is None:
+                    return hidden_states.flatten(2, 3)
+                out.copy_(hidden_states.flatten(2, 3))
+                return out
+        if encoder_value is not None:
+            # Text tokens first, as in diffusers (the RoPE table is laid out txt_ids then img_ids).
+            value = _cat_tokens(encoder_value, value)
 
         if image_rotary_emb is not None:
             # == apply_rope_eager(cat([norm(text), norm(image)])): on CUDA one fused pass per q / k from the projection
             # output to the joint rotated tensor (bit-exact gates).
             cos, sin = image_rotary_emb
-            query = rms_rope_cat(encoder_query, query, norm_added_q, self.norm_q, cos, sin)
-            key = rms_rope_cat(encoder_key, key, norm_added_k, self.norm_k, cos, sin)
+            fast = fast_norm(self)
+            query = rms_rope_cat(encoder_query, query, norm_added_q, self.norm_q, cos, sin, fast=fast)
+            key = rms_rope_cat(encoder_key, key, norm_added_k, self.norm_k, cos, sin, fast=fast)
         else:
             query, key = self.norm_q(query), self.norm_k(key)
             if encoder_query is not None:
@@ -442,6 +456,17 @@ class FluxSingleTransformerBlock(nn.Module):
         text_len = encoder_hidden_states.shape[1]
         joint = self.forward_joint(torch.cat([encoder_hidden_states, hidden_states], dim=1), temb, image_rotary_emb)
         return joint[:, :text_len], joint[:, text_len:]
+
+
+def _cat_tokens(txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
+    """`torch.cat([txt, img], dim=1)`. Views of a fused projection's output (strided rows) are copied into their
+    halves instead: torch.cat of non-contiguous inputs takes an unvectorised kernel several times slower."""
+    if txt.is_contiguous() and img.is_contiguous():
+        return torch.cat([txt, img], dim=1)
+    out = img.new_empty((img.shape[0], txt.shape[1] + img.shape[1], *img.shape[2:]))
+    out[:, :txt.shape[1]].copy_(txt)
+    out[:, txt.shape[1]:].copy_(img)
+    return out
 
 
 def _stack_linears(linears: list[nn.Linear]) -> nn.Linear:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 class TierPlan:
     quality: Quality
     mount_gelu: bool = False  # Linear + tanh-GELU sites through the fused epilogue (not bit-exact)
-    fast_norm: bool = False  # LayerNorm + modulate through the single-pass kernel (not bit-exact)
+    fast_norm: bool = False  # LayerNorm + modulate and QK RMSNorm + RoPE through their fast kernels (not bit-exact)
     attention8: bool = False  # 8-bit attention (int8 Q K^T, fp8 P V) instead of SDPA (not bit-exact)
     compiled: bool = False  # the blocks through their regional torch.compile graphs
     cuda_graphs: bool = False  # each step replayed from a CUDA graph (bit-identical to eager)

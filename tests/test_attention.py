@@ -86,6 +86,63 @@ def test_the_eager_twin_stays_within_a_bound_of_fp32_attention(D: int) -> None:
     assert _rel(wrong, ref) > 0.2
 
 
+_CUDNN_PREP_PROBE = r"""
+import math
+import torch
+from kernels import _attention_fp8_triton as T
+from kernels import _high_triton as K
+from kernels.rope import rope_cat_eager
+F8 = torch.float8_e4m3fn
+torch.manual_seed(0)
+for B, Tn, In, H, D in ((1, 3, 5, 2, 64), (2, 0, 4, 3, 32)):
+    wide = lambda n: (torch.randn(B, n, 3 * H * D) * 2)[..., H * D:2 * H * D].half().unflatten(-1, (H, D))
+    txt, img = (None if Tn == 0 else wide(Tn)), wide(In)
+    # v: [text; image] in fp8 with one scale from the amax of both
+    v8, scales = T.tokens_fp8(txt, img)
+    joint = img.float() if txt is None else torch.cat([txt, img], 1).float()
+    amax = joint.abs().amax()
+    assert v8.dtype == F8 and v8.shape == joint.shape
+    assert torch.equal(v8, (joint * (448.0 / amax)).clamp(-448, 448).to(F8))
+    assert torch.allclose(scales, torch.stack([amax / 448, 448 / amax]))
+    assert torch.allclose(T.dequantize(v8, scales[0:1], torch.float32), joint, rtol=0.07, atol=amax / 448 * 0.02)
+    # q after the fast RMSNorm + RoPE, in fp8 with the weights' bound as its scale
+    wt, wi = (torch.rand(D) + 0.5).half(), (torch.rand(D) * 3 - 1.5).half()
+    ids = torch.randint(0, 64, (Tn + In, 3)).float()
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+    cos, sin = FluxPosEmbed(10000, [D // 8, 3 * D // 8, D // 2])(ids)
+    q8, descale = K.rms_rope_fast(txt, img, None if txt is None else wt, wi, 1e-6, 1e-6, cos, sin, fp8=True)
+    bf = K.rms_rope_fast(txt, img, None if txt is None else wt, wi, 1e-6, 1e-6, cos, sin)
+    wmax = max(wi.float().abs().max(), (wi if txt is None else wt).float().abs().max())
+    assert q8.dtype == F8 and torch.allclose(descale, wmax * math.sqrt(D) / 448)
+    got = q8.float() * descale
+    assert ((got - bf.float()).abs() <= 0.07 * bf.float().abs() + 1e-3 * descale).all()
+print("cuDNN prep ok")
+"""
+
+
+def test_the_cudnn_path_preparation_kernels_in_the_interpreter() -> None:
+    """What cuDNN's fp8 attention is fed: v as one fp8 [text; image] tensor (values and both scales exactly as the
+    eager formula), the fp8 output's dequantization, and q / k in fp8 from the fast RMSNorm + RoPE pass with the
+    scale its norm weights bound."""
+    run_in_interpreter(_CUDNN_PREP_PROBE, "cuDNN prep ok")
+
+
+def test_cudnn_fp8_attention_refuses_cpu_and_the_switch_and_returns_none(caplog) -> None:
+    from kernels import switches
+
+    q, k, v = _qkv(1, 40, 2, 128)
+    assert "CUDA" in A.cudnn_fp8_refusal(q)
+    with switches.override(attention8_cudnn=False):
+        assert "switched off" in A.cudnn_fp8_refusal(q)
+    norm = torch.nn.RMSNorm(128)
+    cos, sin = torch.ones(40, 128), torch.zeros(40, 128)
+    caplog.set_level(logging.WARNING, logger="kernels.attention")
+    A._refusals_logged.clear()
+    for _ in range(2):
+        assert A.rope_attention_fp8((None, q), (None, k), (None, v), (None, norm), (None, norm), cos, sin) is None
+    assert sum("cuDNN fp8 attention needs a CUDA device" in r.message for r in caplog.records) == 1
+
+
 def test_refusals_fall_back_to_sdpa_bit_for_bit_and_are_logged_once(caplog) -> None:
     q, k, v = _qkv(1, 40, 2, 64)
     assert "CUDA" in A.fp8_attention_refusal(q, k, v)
@@ -199,3 +256,71 @@ def test_gpu_high_batch_with_attention8(tiny_path: Path) -> None:
     r = pipe.generate([req])[0]
     assert r.attention8_sites > 0 and attention8_sites(pipe.transformer) == 0
     assert _rel(r.latents, plain.latents) < 0.1 and not torch.equal(r.latents, plain.latents)
+
+
+_needs_cudnn_fp8 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0)
+    or A.cudnn_fp8_refusal(torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)) is not None,
+    reason="needs Hopper and nvidia-cudnn-frontend")
+
+
+@pytest.mark.gpu
+@_needs_cudnn_fp8
+@pytest.mark.parametrize("B, T", [(1, 512), (2, 0)])
+def test_gpu_cudnn_fp8_attention_against_fp32(B: int, T: int) -> None:
+    """FLUX.1-dev-shaped heads (4096 image tokens, 24 heads of 128) from a fused projection's strided views: q and k
+    through RMSNorm + RoPE, v, the fp8 attention against fp32 attention of the eager normed and rotated q, k."""
+    from kernels.rope import rope_cat_eager
+
+    H, D, I, dev = 24, 128, 4096, "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    norms = [torch.nn.RMSNorm(D, eps=1e-6).to(dev, torch.bfloat16) for _ in range(4)]
+    with torch.no_grad():
+        for n in norms:
+            n.weight.copy_(torch.rand(D, device=dev, generator=g) + 0.5)
+        qkv_t, qkv_i = (torch.randn(B, n, 3 * H * D, device=dev, generator=g).bfloat16() for n in (T, I))
+        split = lambda t: [t[..., i * H * D:(i + 1) * H * D].unflatten(-1, (H, D)) for i in range(3)]
+        (qt, kt, vt), (qi, ki, vi) = split(qkv_t), split(qkv_i)
+        txt = (lambda x: x) if T else (lambda x: None)
+        from tests.test_flux_lossless import _tables
+
+        cos, sin = (t.to(dev) for t in _tables(T + I, D))
+        out = A.rope_attention_fp8((txt(qt), qi), (txt(kt), ki), (txt(vt), vi), (txt(norms[0]), norms[1]),
+                                   (txt(norms[2]), norms[3]), cos, sin)
+        q = rope_cat_eager(txt(norms[0](qt.float())) if T else None, norms[1](qi.float()), cos, sin)
+        k = rope_cat_eager(txt(norms[2](kt.float())) if T else None, norms[3](ki.float()), cos, sin)
+        v = torch.cat([vt, vi], 1).float() if T else vi.float()
+        ref = A.sdpa(q, k, v)
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert _rel(out, ref) < 0.1, _rel(out, ref)
+    assert _rel(A.sdpa(q, k, v * 2), ref) > 0.5  # the bound would notice a lost scale
+
+
+@pytest.mark.gpu
+@_needs_cudnn_fp8
+def test_gpu_transformer_with_cudnn_fp8_attention_replays_from_a_graph_and_stays_close() -> None:
+    from model.graphs import StepGraphs
+
+    torch.manual_seed(0)
+    model = FluxTransformer(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=128,
+                            num_attention_heads=2, joint_attention_dim=48, pooled_projection_dim=24,
+                            axes_dims_rope=(16, 56, 56)).to("cuda", torch.bfloat16)
+    S, T = 256, 32
+    inputs = dict(hidden_states=torch.randn(1, S, 16, device="cuda", dtype=torch.bfloat16),
+                  encoder_hidden_states=torch.randn(1, T, 48, device="cuda", dtype=torch.bfloat16),
+                  pooled_projections=torch.randn(1, 24, device="cuda", dtype=torch.bfloat16),
+                  timestep=torch.full((1,), 0.5, device="cuda", dtype=torch.bfloat16),
+                  img_ids=torch.randint(0, 16, (S, 3), device="cuda").float(),
+                  txt_ids=torch.zeros(T, 3, device="cuda"), return_dict=False)
+    with torch.no_grad():
+        ref = model(**inputs)[0]
+        plan = TierPlan("high", attention8=True, cuda_graphs=True)
+        graphs = StepGraphs()
+        outs = []
+        for _ in range(4):  # eager warm-ups, capture, replay
+            with applied_tier(model, plan, step_graphs=graphs) as report:
+                assert report.attention8_sites == 2
+                outs.append(model(**inputs)[0].clone())
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert 1e-4 < _rel(outs[0], ref) < 0.1, _rel(outs[0], ref)
+

@@ -358,3 +358,16 @@ def test_gpu_flux_dev_width_equal_to_diffusers() -> None:
         assert torch.isfinite(expected).all()
         assert torch.equal(got, expected)
         assert torch.equal(got_again, expected)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_token_cat_of_fused_projection_views_equals_torch_cat(batch: int) -> None:
+    """The double block's [text; image] value tensor: strided column views of a fused q/k/v output are copied into
+    their halves (torch.cat of such views is a slow kernel); the result is torch.cat's, value for value."""
+    qkv_t, qkv_i = torch.randn(batch, 3, 3 * 8), torch.randn(batch, 5, 3 * 8)
+    v_t, v_i = (t[..., 16:].unflatten(-1, (2, 4)) for t in (qkv_t, qkv_i))
+    assert not v_i.is_contiguous()
+    got = flux._cat_tokens(v_t, v_i)
+    assert got.is_contiguous() and torch.equal(got, torch.cat([v_t, v_i], dim=1))
+    a, b = v_t.contiguous(), v_i.contiguous()
+    assert torch.equal(flux._cat_tokens(a, b), torch.cat([a, b], dim=1))

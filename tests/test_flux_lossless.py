@@ -473,6 +473,73 @@ def test_gpu_rms_rope_cat_equals_eager(shape: tuple[int, int, int], dtype: torch
     assert RMS_GATE.fast_calls == 1 and all(RMS_GATE.verdicts().values())
 
 
+_RMS_FAST_INTERPRET_PROBE = r"""
+import torch
+from kernels import _high_triton as K
+from kernels.rope import rope_cat_eager
+torch.manual_seed(0)
+n = 0
+# text + image, image only, rows views of a wider projection (row stride > H * D), heads not a multiple of a tile
+for (B, Tn, In, H, D, wide) in ((1, 3, 5, 4, 128, False), (2, 2, 3, 3, 64, True), (1, 0, 4, 6, 32, True)):
+    def rows(n):
+        full = torch.randn(B, n, (2 if wide else 1) * H * D) * 3
+        return full[..., :H * D].half().unflatten(-1, (H, D))
+    txt, img = (None if Tn == 0 else rows(Tn)), rows(In)
+    nt, ni = torch.nn.RMSNorm(D, eps=1e-6).half(), torch.nn.RMSNorm(D, eps=1e-5).half()
+    with torch.no_grad():
+        nt.weight.copy_(torch.rand(D) + 0.5)
+        ni.weight.copy_(torch.rand(D) + 0.5)
+        ids = torch.randint(0, 64, (Tn + In, 3)).float()
+        from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+        cos, sin = FluxPosEmbed(10000, [D // 8, 3 * D // 8, D // 2])(ids)
+        out = K.rms_rope_fast(txt, img, None if txt is None else nt.weight, ni.weight, 1e-6, 1e-5, cos, sin)
+        ref = rope_cat_eager(None if txt is None else nt(txt.float()), ni(img.float()), cos, sin)
+    assert out.dtype == torch.float16 and out.shape == ref.shape
+    err = (out.float() - ref).abs().max().item()
+    assert err < 4e-3 * ref.abs().max().item(), (B, H, D, err)
+    n += 1
+print("OK", n)
+"""
+
+
+def test_rms_rope_fast_kernel_in_the_interpreter() -> None:
+    """The high tier's one-pass QK RMSNorm + RoPE in the CPU interpreter, against eager fp32 norms then RoPE: text
+    and image rows (their own weights and eps), pairs, strided rows and a head count its tile does not divide."""
+    run_in_interpreter(_RMS_FAST_INTERPRET_PROBE, "OK 3")
+
+
+def test_rms_rope_cat_fast_on_cpu_is_the_lossless_path() -> None:
+    txt, img = torch.randn(1, 3, 2, 16), torch.randn(1, 5, 2, 16)
+    norm_t, norm_i = torch.nn.RMSNorm(16, eps=1e-6), torch.nn.RMSNorm(16, eps=1e-6)
+    cos, sin = (t.float() for t in _tables(8, 16))
+    from kernels.rope import rms_rope_cat
+
+    with torch.no_grad():
+        assert torch.equal(rms_rope_cat(txt, img, norm_t, norm_i, cos, sin, fast=True),
+                           rope_cat_eager(norm_t(txt), norm_i(img), cos, sin))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_rms_rope_fast_is_close_to_the_exact_kernel(dtype: torch.dtype) -> None:
+    from kernels import _high_triton, _lossless_triton
+    from kernels.rope import rms_rope_cat
+
+    B, T, I, H, D, dev = 2, 512, 4096, 24, 128, "cuda"
+    norm_t, norm_i = (torch.nn.RMSNorm(D, eps=1e-6).to(dev, dtype) for _ in range(2))
+    with torch.no_grad():
+        norm_t.weight.copy_(torch.rand(D) + 0.5)
+        norm_i.weight.copy_(torch.rand(D) + 0.5)
+        wide = torch.randn(B, T + I, 3 * H * D, device=dev).to(dtype)  # q of a fused q/k/v projection: strided rows
+        txt, img = (wide[:, :T, :H * D].unflatten(-1, (H, D)), wide[:, T:, :H * D].unflatten(-1, (H, D)))
+        cos, sin = (t.to(dev) for t in _tables(T + I, D))
+        exact = _lossless_triton.rms_rope_cat(txt, img, norm_t.weight, norm_i.weight, 1e-6, 1e-6, cos, sin)
+        fast = _high_triton.rms_rope_fast(txt, img, norm_t.weight, norm_i.weight, 1e-6, 1e-6, cos, sin)
+        assert torch.equal(rms_rope_cat(txt, img, norm_t, norm_i, cos, sin, fast=True), fast)
+    ulp = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -20}[dtype]
+    assert (fast.float() - exact.float()).abs().max() <= 2 * ulp * exact.float().abs().max()
+
+
 # ----------------------------------------------------------------------------- tanh-GELU into a slice (lossless)
 
 

@@ -513,7 +513,9 @@ def test_fast_norm_switches_for_high_batches_only(tiny_pipe, monkeypatch) -> Non
     from kernels.modulate import fast_norm_sites, set_fast_norm
 
     model = tiny_pipe.transformer
-    n_sites = 3 * model.config.num_layers + model.config.num_single_layers  # norm1, norm1_context, norm2 pair; norm
+    # norm1, norm1_context, the norm2 pair and the attention's QK norms of a double block; a single block's norm and
+    # its attention's QK norms
+    n_sites = 4 * model.config.num_layers + 2 * model.config.num_single_layers
     assert set_fast_norm(model, False) == n_sites
     req, high_req = GenerationRequest("a fox", steps=2, seed=3), GenerationRequest("a fox", steps=2, seed=3,
                                                                                      quality="high")
