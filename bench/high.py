@@ -58,7 +58,7 @@ class Variant:
     mount_gelu: bool = True  # the current high tier's GELU sites (no effect where fp8 takes the GELU)
     step_cache: float | None = None  # First-Block-Cache threshold: end to end only (a single step never skips)
     norm_producer: bool = False  # fp8 forms: norms quantize their own output (switch fp8_norm_producer)
-    attention8: bool = False  # 8-bit attention (int8 Q K^T, fp8 P V) instead of SDPA
+    attention8: bool = False  # 8-bit attention instead of SDPA (cuDNN fp8 where it applies, else the Triton kernel)
     fast_accum: bool = False  # fp8 forms: GEMMs without periodic fp32 promotion (switch fp8_fast_accum)
     fp8_adaln: bool = True  # fp8 forms: the AdaLN linears as weight-only fp8 layers (False: kept bf16)
 
@@ -98,6 +98,9 @@ VARIANTS = [
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + cuda_graphs", fp8=True,
             fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, cuda_graphs=True),
     Variant("high + fp8 + fused_projections + fast_accum", fp8=True, fused_projections=True, fast_accum=True),
+    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 + cuda_graphs",
+            fp8=True, fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, attention8=True,
+            cuda_graphs=True),
 ]
 
 
@@ -235,8 +238,8 @@ def kernel_family(name: str) -> str:
         return "GEMM"
     if "quant_rows" in name or "ln_modulate_quant" in name:
         return "fp8 activation quantization (Triton)"
-    if "quantize_qkv" in name:
-        return "attention: 8-bit quantization of q, k, v"
+    if any(s in name for s in ("quantize_qkv", "tokens_fp8", "_dequant_kernel")):
+        return "attention: 8-bit quantization (inputs, output)"
     if any(s in name for s in ("fmha", "flash", "attention", "sdpa", "cudnn")):
         return "attention"
     if any(s in name for s in ("gemm", "xmma", "cutlass", "nvjet", "matmul", "_mm_", "sm90", "cublas")):
