@@ -117,7 +117,7 @@ def torchao_recipe(reference: Any) -> tuple[Any | None, str | None]:
     except ImportError as exc:
         return None, f"torchao is not installed ({exc})"
     try:
-        transformer = copy.deepcopy(reference.transformer)
+        transformer = copy.deepcopy(reference.transformer).requires_grad_(False)
         quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
         transformer.compile_repeated_blocks(fullgraph=True)
     except Exception as exc:  # noqa: BLE001 - a yardstick that cannot be built is reported, not fatal
@@ -323,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         fns["diffusers"] = step_fn(reference, None, inputs)
         if yardstick is not None:
             fns[TORCHAO] = step_fn(yardstick, None, inputs)
-            try:  # its first calls compile: timed apart, outside the interleaved loop's warm-ups
-                torchao_compile_s[f"batch{batch}"], _ = timed(lambda: [fns[TORCHAO]() for _ in range(2)])
+            try:  # its first calls compile (no autograd: inference): timed apart, outside the loop's warm-ups
+                with torch.no_grad():
+                    torchao_compile_s[f"batch{batch}"], _ = timed(lambda: [fns[TORCHAO]() for _ in range(2)])
             except Exception:
                 errors[f"{TORCHAO} batch {batch}"] = traceback.format_exc()[-2000:]
                 del fns[TORCHAO]
