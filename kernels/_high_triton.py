@@ -72,35 +72,33 @@ def _rms_rope_fast_kernel(
 ):
     # Program (ROWS rows of the joint [B * (T + I)] sequence, HB heads); a row reads the text or the image tensor.
     # Not bit-exact (quality "high"): the per-head sum of squares in Triton's reduction order, and the normed value
-    # is not rounded before RoPE. RoPE's pair partner (column d ^ 1) is loaded a second time (L1) instead of shuffled.
+    # is not rounded before RoPE. Rows are loaded whole (vectorised) and split into RoPE's (even, odd) pairs.
     S = T + I
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < M
     b = rows // S
     s = rows % S
     is_txt = s < T
-    src = tl.where(is_txt, b * txt_sb + s * txt_ss, b * img_sb + (s - T) * img_ss)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     d = tl.arange(0, D)
     col = heads[None, :, None] * D + d[None, None, :]  # [1, HB, D]: offsets within a row
     txt3 = is_txt[:, None, None]
     ok = row_ok[:, None, None] & (heads < H)[None, :, None]
-    at_t = txt_ptr + src[:, None, None]
-    at_i = img_ptr + src[:, None, None]
-    x = tl.where(txt3, tl.load(at_t + col, mask=ok & txt3, other=0.0),
-                 tl.load(at_i + col, mask=ok & ~txt3, other=0.0)).to(tl.float32)
-    xp = tl.where(txt3, tl.load(at_t + (col ^ 1), mask=ok & txt3, other=0.0),
-                  tl.load(at_i + (col ^ 1), mask=ok & ~txt3, other=0.0)).to(tl.float32)
+    at_t = txt_ptr + (b * txt_sb + s * txt_ss)[:, None, None] + col
+    at_i = img_ptr + (b * img_sb + (s - T) * img_ss)[:, None, None] + col
+    x = tl.where(txt3, tl.load(at_t, mask=ok & txt3, other=0.0),
+                 tl.load(at_i, mask=ok & ~txt3, other=0.0)).to(tl.float32)
     eps = tl.where(is_txt, eps_t, eps_i)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=2) / D + eps[:, None])[:, :, None]  # [ROWS, HB, 1]
     w = tl.where(txt3, tl.load(wt_ptr + d)[None, None, :], tl.load(wi_ptr + d)[None, None, :]).to(tl.float32)
-    wp = tl.where(txt3, tl.load(wt_ptr + (d ^ 1))[None, None, :],
-                  tl.load(wi_ptr + (d ^ 1))[None, None, :]).to(tl.float32)
+    xn = x * w * rstd
     c = tl.load(cos_ptr + s[:, None, None] * D + d[None, None, :], mask=row_ok[:, None, None], other=0.0)
     sn = tl.load(sin_ptr + s[:, None, None] * D + d[None, None, :], mask=row_ok[:, None, None], other=0.0)
-    # out[2i] = x[2i] cos - x[2i+1] sin; out[2i+1] = x[2i+1] cos + x[2i] sin (diffusers' interleaved pairs)
-    sign = tl.where((d % 2) == 0, -1.0, 1.0)[None, None, :]
-    y = (x * w * rstd) * c + sign * (xp * wp * rstd) * sn
+    # out[2i] = x[2i] cos[2i] - x[2i+1] sin[2i]; out[2i+1] = x[2i+1] cos[2i+1] + x[2i] sin[2i+1] (diffusers' pairs)
+    ev, od = tl.split(tl.reshape(xn, (ROWS, HB, D // 2, 2)))
+    c_ev, c_od = tl.split(tl.reshape(tl.broadcast_to(c, (ROWS, HB, D)), (ROWS, HB, D // 2, 2)))
+    s_ev, s_od = tl.split(tl.reshape(tl.broadcast_to(sn, (ROWS, HB, D)), (ROWS, HB, D // 2, 2)))
+    y = tl.reshape(tl.join(ev * c_ev - od * s_ev, od * c_od + ev * s_od), (ROWS, HB, D))
     out = out_ptr + rows[:, None, None] * (H * D) + col
     if FP8:
         # fp8 e4m3 with one scale for the whole tensor, known before any value: |x_i| * rstd <= sqrt(D), so a normed
