@@ -77,11 +77,13 @@ class PoolArgs:
     # differently, and lossless must stay byte-identical to eager diffusers.
     compile: bool = False
     compile_sizes: list[str] | None = None
-    # High pool only: LayerNorm + AdaLN modulation through the single-pass fast kernel (CUDA fp16/bf16; not
-    # bit-exact: bench/results/e2e-h200-high-variants.md gives its speed and PSNR/SSIM). The lossless pool refuses it.
+    # High pool only: LayerNorm + AdaLN modulation and QK RMSNorm + RoPE through their fast kernels (CUDA
+    # fp16/bf16; not bit-exact: bench/results/e2e-h200-high-variants.md and high-h200.md give speed and PSNR/SSIM).
+    # The lossless pool refuses it.
     fast_norm: bool = False
-    # High pool only: attention through the 8-bit kernel (int8 Q K^T, fp8 P V; CUDA fp16/bf16, head size 32, 64
-    # or 128, elsewhere SDPA is kept). Not bit-exact: speed and PSNR/SSIM in bench/results/high-h200-session10.md.
+    # High pool only: 8-bit attention: cuDNN's fp8 attention where it applies (Hopper, nvidia-cudnn-frontend, head
+    # size 128; kernels.attention.cudnn_fp8_refusal), else the Triton int8 Q K^T / fp8 P V kernel (CUDA fp16/bf16,
+    # head size 32, 64 or 128), else SDPA. Not bit-exact: speed and PSNR/SSIM in bench/results/high-h200.md.
     # The lossless pool refuses it.
     attention8: bool = False
     # Either pool (tp == 1, device cuda): replay each transformer step from a CUDA graph, captured on the first

@@ -20,6 +20,8 @@ High tier (not bit-exact):
 - `fp8.linear_cat_gelu`         `linear(cat([a, gelu(b)]))`, the GELU inside the fp8 quantization pass
 - `layer_norm_modulate(..., fp8=True)`  LayerNorm + modulation quantized per row in the same pass (`fp8.Fp8Rows`)
 - `attention.attention(..., fp8=True)`  int8 Q K^T, fp8 P V (kernels/_attention_fp8_triton.py); SDPA where refused
+- `rope.rms_rope_cat(..., fast=True)`  QK RMSNorm + RoPE in one non-exact pass (kernels/_high_triton.py)
+- `attention.rope_attention_fp8`  QK RMSNorm + RoPE to fp8, v to fp8, cuDNN's fp8 SDPA (Hopper, nvidia-cudnn-frontend)
 
 Sites and switches:
 - GELU sites: `mark_fused_gelu_site`, `gelu_site`, `mount` / `unmount` (all-or-nothing), `mounted_sites`

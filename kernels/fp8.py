@@ -36,7 +36,7 @@ LN_PRODUCER = switches.register(
     "fp8_norm_producer", True, "fp8 norm sites quantize their modulated LayerNorm rows in the norm's own pass")
 # Hopper's fp8 tensor-core accumulator keeps fewer bits than fp32; without fast accumulation the GEMM promotes the
 # partial sums to fp32 registers every few k-steps, at a cost in speed. On: measured faster at the same PSNR
-# (bench/results/fp8-gemm-h200.md, high-h200.md); the switch stays for benchmarks and tests.
+# (bench/results/fp8-gemm-h200.md, high-h200-session11.md); the switch stays for benchmarks and tests.
 FAST_ACCUM = switches.register(
     "fp8_fast_accum", True, "fp8 GEMMs accumulate in the tensor cores' own precision (no periodic fp32 promotion)")
 # Layers fed at most this many rows (the AdaLN modulation: one row per image) skip the activation quantization and
