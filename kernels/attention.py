@@ -39,17 +39,26 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out.permute(0, 2, 1, 3)
 
 
+def _input_refusal(path: str, query: torch.Tensor, attn_mask: torch.Tensor | None, capability: tuple[int, int],
+                   gpus: str) -> str | None:
+    """The refusals both 8-bit paths share: device, compute capability, dtype, mask."""
+    if query.device.type != "cuda":
+        return f"{path} needs a CUDA device (inputs are on {query.device})"
+    if torch.cuda.get_device_capability(query.device) < capability:
+        return f"{path} needs compute capability >= {capability[0]}.{capability[1]} ({gpus})"
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        return f"{path} takes bf16/fp16 inputs, got {query.dtype}"
+    if attn_mask is not None:
+        return f"{path} has no mask support"
+    return None
+
+
 def fp8_attention_refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attn_mask: torch.Tensor | None = None) -> str | None:
     """Why fp8 attention cannot run on these inputs, or None when it can."""
-    if query.device.type != "cuda":
-        return f"fp8 attention needs a CUDA device (inputs are on {query.device})"
-    if torch.cuda.get_device_capability(query.device) < (8, 9):
-        return "fp8 attention needs compute capability >= 8.9 (Ada/Hopper)"
-    if query.dtype not in (torch.bfloat16, torch.float16):
-        return f"fp8 attention takes bf16/fp16 inputs, got {query.dtype}"
-    if attn_mask is not None:
-        return "fp8 attention has no mask support"
+    reason = _input_refusal("fp8 attention", query, attn_mask, (8, 9), "Ada/Hopper")
+    if reason is not None:
+        return reason
     if query.shape[-1] not in _HEAD_DIMS:
         return f"fp8 attention supports head sizes {_HEAD_DIMS}, got {query.shape[-1]}"
     if not (query.shape == key.shape == value.shape):
@@ -126,14 +135,9 @@ def cudnn_fp8_refusal(query: torch.Tensor, attn_mask: torch.Tensor | None = None
     """Why cuDNN's fp8 attention cannot take q of this kind, or None when it can."""
     if not CUDNN_FP8.value:
         return "cuDNN fp8 attention is switched off (attention8_cudnn)"
-    if query.device.type != "cuda":
-        return f"cuDNN fp8 attention needs a CUDA device (inputs are on {query.device})"
-    if torch.cuda.get_device_capability(query.device) < (9, 0):
-        return "cuDNN fp8 attention needs compute capability >= 9.0 (Hopper)"
-    if query.dtype not in (torch.bfloat16, torch.float16):
-        return f"cuDNN fp8 attention takes bf16/fp16 inputs, got {query.dtype}"
-    if attn_mask is not None:
-        return "cuDNN fp8 attention is built without a mask"
+    reason = _input_refusal("cuDNN fp8 attention", query, attn_mask, (9, 0), "Hopper")
+    if reason is not None:
+        return reason
     if query.shape[-1] != _CUDNN_HEAD_DIM:
         return f"cuDNN fp8 attention is built for head size {_CUDNN_HEAD_DIM}, got {query.shape[-1]}"
     try:
