@@ -227,13 +227,13 @@ def rope_attention_fp8(
     average of v rows is bounded by v) comes back in q's dtype. -> [B, T + I, H, D], or None where it does not apply
     (the refusal is logged once; the caller runs its own path)."""
     from . import _attention_fp8_triton
-    from .rope import rms_rope_fp8
+    from .rope import rms_rope_fast
 
     reason = cudnn_fp8_refusal(q[1], attn_mask)
     q8 = k8 = None
     if reason is None:
-        q8 = rms_rope_fp8(q[0], q[1], norms_q[0], norms_q[1], cos, sin)
-        k8 = rms_rope_fp8(k[0], k[1], norms_k[0], norms_k[1], cos, sin)
+        q8 = rms_rope_fast(q[0], q[1], norms_q[0], norms_q[1], cos, sin, fp8=True)
+        k8 = rms_rope_fast(k[0], k[1], norms_k[0], norms_k[1], cos, sin, fp8=True)
         if q8 is None or k8 is None:
             reason = "cuDNN fp8 attention: the fast QK RMSNorm + RoPE pass does not apply to these inputs"
     if reason is not None:

@@ -107,13 +107,10 @@ def rms_rope_cat(
 
     fast=True (quality "high"): where the exact kernel applies, a non-exact one-pass kernel instead (several rows
     and heads per program, Triton's own reduction order); elsewhere the lossless path."""
-    if fast and not torch.compiler.is_compiling() and _rms_signature(txt, img, norm_txt, norm_img, cos, sin):
-        from . import _high_triton
-
-        return _high_triton.rms_rope_fast(
-            txt, img, None if txt is None else norm_txt.weight, norm_img.weight,
-            0.0 if txt is None else norm_txt.eps, norm_img.eps, cos, sin,
-        )
+    if fast:
+        out = rms_rope_fast(txt, img, norm_txt, norm_img, cos, sin)
+        if out is not None:
+            return out
 
     def fast() -> torch.Tensor:
         from . import _lossless_triton
@@ -129,19 +126,18 @@ def rms_rope_cat(
     return RMS_GATE.run(_rms_signature(txt, img, norm_txt, norm_img, cos, sin), fast, eager)
 
 
-def rms_rope_fp8(
+def rms_rope_fast(
     txt: torch.Tensor | None, img: torch.Tensor, norm_txt: nn.Module | None, norm_img: nn.Module,
-    cos: torch.Tensor, sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`rms_rope_cat(..., fast=True)` quantized to fp8 e4m3 in the same pass, with one scale for the tensor that the
-    norm weights bound (quality "high"): (values [B, T + I, H, D], fp32 descale [1]), or None where the kernel does
-    not apply (CPU, odd layouts, torch.compile)."""
+    cos: torch.Tensor, sin: torch.Tensor, fp8: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """The non-exact one-pass QK RMSNorm + RoPE (quality "high") where the exact kernel would apply, else None (CPU,
+    odd layouts, torch.compile). fp8=True: quantized to e4m3 in the same pass, with one scale for the tensor that the
+    norm weights bound: (values [B, T + I, H, D], fp32 descale [1])."""
     if torch.compiler.is_compiling() or _rms_signature(txt, img, norm_txt, norm_img, cos, sin) is None:
         return None
     from . import _high_triton
 
     return _high_triton.rms_rope_fast(
         txt, img, None if txt is None else norm_txt.weight, norm_img.weight,
-        0.0 if txt is None else norm_txt.eps, norm_img.eps, cos, sin, fp8=True,
+        0.0 if txt is None else norm_txt.eps, norm_img.eps, cos, sin, fp8=fp8,
     )
-

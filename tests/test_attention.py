@@ -324,3 +324,29 @@ def test_gpu_transformer_with_cudnn_fp8_attention_replays_from_a_graph_and_stays
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     assert 1e-4 < _rel(outs[0], ref) < 0.1, _rel(outs[0], ref)
 
+
+
+def test_attention_module_takes_the_cudnn_path_result_and_falls_back_when_it_refuses(monkeypatch) -> None:
+    """FluxAttention.attend with attention8 on: what `rope_attention_fp8` returns is the result (flattened, or written
+    into `out`); when it returns None (refused) the module runs its own path, here the exact eager one on CPU."""
+    import model.flux as flux
+
+    torch.manual_seed(0)
+    attn = flux.FluxAttention(query_dim=64, heads=2, dim_head=32, added_kv_proj_dim=64)
+    q, k, v = (torch.randn(1, 6, 2, 32) for _ in range(3))
+    enc = tuple(torch.randn(1, 3, 2, 32) for _ in range(3))
+    cos, sin = torch.ones(9, 32), torch.zeros(9, 32)
+    with torch.no_grad():
+        plain = attn.attend(q, k, v, enc, image_rotary_emb=(cos, sin))
+        attn.attention8 = True
+        assert torch.equal(attn.attend(q, k, v, enc, image_rotary_emb=(cos, sin)), plain)  # CPU: refused
+        seen = []
+        fake = torch.randn(1, 9, 2, 32)
+        monkeypatch.setattr(flux, "rope_attention_fp8", lambda *a: seen.append(a) or fake)
+        assert torch.equal(attn.attend(q, k, v, enc, image_rotary_emb=(cos, sin)), fake.flatten(2, 3))
+        out = torch.zeros(1, 9, 64)
+        assert attn.attend(q, k, v, enc, image_rotary_emb=(cos, sin), out=out) is out
+        assert torch.equal(out, fake.flatten(2, 3))
+    (qs, ks, vs, nq, nk, c, s, mask) = seen[0]
+    assert qs == (enc[0], q) and ks == (enc[1], k) and vs == (enc[2], v) and mask is None
+    assert nq == (attn.norm_added_q, attn.norm_q) and nk == (attn.norm_added_k, attn.norm_k)

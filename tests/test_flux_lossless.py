@@ -519,6 +519,26 @@ def test_rms_rope_cat_fast_on_cpu_is_the_lossless_path() -> None:
                            rope_cat_eager(norm_t(txt), norm_i(img), cos, sin))
 
 
+def test_rms_rope_fast_dispatch_where_the_exact_kernel_would_apply(monkeypatch) -> None:
+    """Where the exact kernel's signature holds, `fast=True` takes the high kernel (fp8 asked for by the attention
+    path only); where it does not (here: CPU), None and the lossless path."""
+    pytest.importorskip("triton")
+    from kernels import _high_triton, rope
+
+    txt, img = torch.randn(1, 3, 2, 16), torch.randn(1, 5, 2, 16)
+    norm_t, norm_i = torch.nn.RMSNorm(16, eps=1e-6), torch.nn.RMSNorm(16, eps=1e-5)
+    cos, sin = (t.float() for t in _tables(8, 16))
+    assert rope.rms_rope_fast(txt, img, norm_t, norm_i, cos, sin) is None  # CPU: no signature
+    calls = []
+    monkeypatch.setattr(rope, "_rms_signature", lambda *a: ("sig",))
+    monkeypatch.setattr(_high_triton, "rms_rope_fast", lambda *a, **k: calls.append((a, k)) or "kernel")
+    assert rope.rms_rope_cat(txt, img, norm_t, norm_i, cos, sin, fast=True) == "kernel"
+    assert rope.rms_rope_fast(None, img, None, norm_i, cos, sin, fp8=True) == "kernel"
+    (a1, k1), (a2, k2) = calls
+    assert a1[2] is norm_t.weight and a1[3] is norm_i.weight and a1[4:6] == (1e-6, 1e-5) and k1 == {"fp8": False}
+    assert a2[0] is None and a2[2] is None and a2[4:6] == (0.0, 1e-5) and k2 == {"fp8": True}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_rms_rope_fast_is_close_to_the_exact_kernel(dtype: torch.dtype) -> None:
