@@ -79,7 +79,7 @@ class PoolArgs:
     compile_sizes: list[str] | None = None
     # High pool only: LayerNorm + AdaLN modulation and QK RMSNorm + RoPE through their fast kernels (CUDA
     # fp16/bf16; not bit-exact: bench/results/e2e-h200-high-variants.md and high-h200.md give speed and PSNR/SSIM).
-    # The lossless pool refuses it.
+    # On by default for the high pool (AppArgs.parse); the lossless pool refuses it.
     fast_norm: bool = False
     # High pool only: 8-bit attention: cuDNN's fp8 attention where it applies (Hopper, nvidia-cudnn-frontend, head
     # size 128; kernels.attention.cudnn_fp8_refusal), else the Triton int8 Q K^T / fp8 P V kernel (CUDA fp16/bf16,
@@ -145,7 +145,7 @@ class AppArgs:
     limits: Limits = field(default_factory=Limits)
     pools: dict[str, PoolArgs] = field(
         default_factory=lambda: {"lossless": PoolArgs(batch_invariant=True),
-                                 "high": PoolArgs(fused_projections=True, fp8=True)}
+                                 "high": PoolArgs(fused_projections=True, fp8=True, fast_norm=True)}
     )
 
     @staticmethod
@@ -164,9 +164,11 @@ class AppArgs:
             given = pools_raw.get(q) or {}
             # The high pool's converted form (it met the quality bar) is on by default where the pool's other
             # settings admit it (tp 1, not compiled, no LoRAs); asked for explicitly elsewhere, it is an error below.
+            # Its fast norm kernels met the bar too and run anywhere (refused off CUDA fp16/bf16: exact path kept).
             convert = (q == "high" and given.get("tp", 1) == 1 and not given.get("compile", False)
                        and (not raw.get("loras") or bool(raw.get("fuse_lora"))))
-            p = {"batch_invariant": q == "lossless", "fused_projections": convert, "fp8": convert, **given}
+            p = {"batch_invariant": q == "lossless", "fused_projections": convert, "fp8": convert,
+                 "fast_norm": q == "high", **given}
             _reject_unknown(p, PoolArgs, f"args.pools.{q}")
             pool = PoolArgs(**p)
             if not isinstance(pool.tp, int) or pool.tp < 1:

@@ -150,7 +150,9 @@ def test_bad_high_compile_options_are_config_errors(high: dict, message: str) ->
 
 def test_fast_norm_is_a_high_pool_switch() -> None:
     assert AppArgs.parse({"pools": {"high": {"fast_norm": True}}}).pools["high"].fast_norm is True
-    assert AppArgs.parse(None).pools["high"].fast_norm is False  # off by default
+    assert AppArgs.parse(None).pools["high"].fast_norm is True  # on by default for the high pool
+    assert AppArgs.parse({"pools": {"high": {"fast_norm": False}}}).pools["high"].fast_norm is False
+    assert AppArgs.parse(None).pools["lossless"].fast_norm is False
     with pytest.raises(ValueError, match=r"args\.pools\.lossless\.fast_norm is for the high pool only.*byte-identical"):
         AppArgs.parse({"pools": {"lossless": {"fast_norm": True}}})
     with pytest.raises(ValueError, match=r"args\.pools\.high\.fast_norm must be true or false"):
