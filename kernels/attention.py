@@ -230,6 +230,8 @@ def rope_attention_fp8(
     from .rope import rms_rope_fast
 
     reason = cudnn_fp8_refusal(q[1], attn_mask)
+    if reason is None and any(t is not None and (t.stride(3) != 1 or t.stride(2) != t.shape[3]) for t in v):
+        reason = "cuDNN fp8 attention: v's (heads, head size) rows are not contiguous"
     q8 = k8 = None
     if reason is None:
         q8 = rms_rope_fast(q[0], q[1], norms_q[0], norms_q[1], cos, sin, fp8=True)

@@ -127,7 +127,7 @@ def test_the_cudnn_path_preparation_kernels_in_the_interpreter() -> None:
     run_in_interpreter(_CUDNN_PREP_PROBE, "cuDNN prep ok")
 
 
-def test_cudnn_fp8_attention_refuses_cpu_and_the_switch_and_returns_none(caplog) -> None:
+def test_cudnn_fp8_attention_refuses_cpu_and_the_switch_and_returns_none(caplog, monkeypatch) -> None:
     from kernels import switches
 
     q, k, v = _qkv(1, 40, 2, 128)
@@ -141,6 +141,11 @@ def test_cudnn_fp8_attention_refuses_cpu_and_the_switch_and_returns_none(caplog)
     for _ in range(2):
         assert A.rope_attention_fp8((None, q), (None, k), (None, v), (None, norm), (None, norm), cos, sin) is None
     assert sum("cuDNN fp8 attention needs a CUDA device" in r.message for r in caplog.records) == 1
+    # past the device checks: a v whose (heads, head size) rows are strided is refused before any kernel runs
+    monkeypatch.setattr(A, "cudnn_fp8_refusal", lambda *a: None)
+    strided_v = torch.randn(1, 40, 128, 2).transpose(2, 3)
+    assert A.rope_attention_fp8((None, q), (None, k), (None, strided_v), (None, norm), (None, norm), cos, sin) is None
+    assert any("rows are not contiguous" in r.message for r in caplog.records)
 
 
 def test_refusals_fall_back_to_sdpa_bit_for_bit_and_are_logged_once(caplog) -> None:
