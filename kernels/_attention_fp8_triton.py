@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._high_triton import fp8_saturate
 from ._lossless_triton import _interpreting
 _LOG2E = 1.4426950408889634
 _LOG2_448 = tl.constexpr(8.807354922057604)  # P = exp2(logit - max + log2(448)) <= 448, e4m3's largest value
@@ -69,9 +70,7 @@ def _quantize_qkv_kernel(
 
     x = tl.load(v_ptr + b * v_sb + toks[:, None] * v_ss + h * v_sh + d[None, :], mask=ok, other=0.0).to(tl.float32)
     y = x / tl.load(vs_ptr + bh * D + d)[None, :]  # the channel's amax over all tokens -> 448
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    if not INTERPRET:
-        y = y.to(tl.float8e4nv)
+    y = fp8_saturate(y, INTERPRET)
     tl.store(v8t_ptr + head + d[None, :] * S_PAD + toks[:, None], y)  # transposed: [B, H, D, S_PAD]
 
 
@@ -207,10 +206,7 @@ def _tokens_fp8_kernel(
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scales_ptr, amax / 448.0)
             tl.store(scales_ptr + 1, 448.0 / amax)
-        y = tl.minimum(tl.maximum(x * (448.0 / amax), -448.0), 448.0)
-        if not INTERPRET:
-            y = y.to(tl.float8e4nv)
-        tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=ok)
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], fp8_saturate(x * (448.0 / amax), INTERPRET), mask=ok)
 
 
 def tokens_fp8(txt: torch.Tensor | None, img: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

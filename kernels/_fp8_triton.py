@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._high_triton import ln_modulate_row
+from ._high_triton import fp8_saturate, ln_modulate_row
 from ._lossless_triton import _GELU_BETA, _GELU_KAPPA, _interpreting, libdevice
 
 _FP8_MAX = 448.0
@@ -41,10 +41,7 @@ def _load_rows(ptr, rows, row_stride, cols, ok, GELU: tl.constexpr, BETA: tl.con
 
 @triton.jit
 def _store_fp8(q_ptr, rows, q_sr, cols, x, scale, ok, INTERPRET: tl.constexpr):
-    y = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
-    if not INTERPRET:
-        y = y.to(tl.float8e4nv)
-    tl.store(q_ptr + rows[:, None] * q_sr + cols[None, :], y, mask=ok)
+    tl.store(q_ptr + rows[:, None] * q_sr + cols[None, :], fp8_saturate(x / scale[:, None], INTERPRET), mask=ok)
 
 
 @triton.jit
@@ -156,10 +153,7 @@ def _ln_modulate_quant_kernel(
                                              BLOCK_N)
     qscale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
     tl.store(s_ptr + out_row, qscale)
-    q = tl.minimum(tl.maximum(y / qscale, -448.0), 448.0)
-    if not INTERPRET:
-        q = q.to(tl.float8e4nv)
-    tl.store(q_ptr + out_row * N + cols, q, mask=mask)
+    tl.store(q_ptr + out_row * N + cols, fp8_saturate(y / qscale, INTERPRET), mask=mask)
 
 
 def ln_modulate_quantize(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,

@@ -11,6 +11,16 @@ import triton.language as tl
 
 from ._lossless_triton import _TL_DTYPE, _cast, _interpreting
 
+@triton.jit
+def fp8_saturate(y, INTERPRET: tl.constexpr):
+    """Scaled fp32 values -> fp8 e4m3, saturating at +-448 (e4m3's largest finite value). INTERPRET: left in fp32 (the
+    CPU interpreter's fp8 cast rounds wrongly; the wrappers cast on the host, as torch does on the GPU)."""
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if not INTERPRET:
+        y = y.to(tl.float8e4nv)
+    return y
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # LayerNorm (no affine) + AdaLN modulation in one pass
 # ----------------------------------------------------------------------------------------------------------------
@@ -109,10 +119,7 @@ def _rms_rope_fast_kernel(
         bound = tl.maximum(tl.sqrt(wmax * wmax * D), 1e-12)  # max|w| * sqrt(D)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(descale_ptr, bound / 448.0)
-        y = tl.minimum(tl.maximum(y * (448.0 / bound), -448.0), 448.0)
-        if not INTERPRET:  # the interpreter's fp8 cast rounds wrongly: fp32 out, the wrapper casts
-            y = y.to(tl.float8e4nv)
-        tl.store(out, y, mask=ok)
+        tl.store(out, fp8_saturate(y * (448.0 / bound), INTERPRET), mask=ok)
     else:
         tl.store(out, _cast(y, TY), mask=ok)
 
