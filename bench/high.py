@@ -33,6 +33,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
+from torch._dynamo.utils import counters
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -61,6 +62,7 @@ class Variant:
     attention8: bool = False  # 8-bit attention instead of SDPA (cuDNN fp8 where it applies, else the Triton kernel)
     fast_accum: bool = False  # fp8 forms: GEMMs without periodic fp32 promotion (switch fp8_fast_accum)
     fp8_adaln: bool = True  # fp8 forms: the AdaLN linears as weight-only fp8 layers (False: kept bf16)
+    compiled: bool = False  # blocks through the pipeline's regional torch.compile (compiled before timing)
 
     def switches(self) -> Any:
         """The kernel switches this variant sets around each of its calls (step and end to end)."""
@@ -101,6 +103,12 @@ VARIANTS = [
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 + cuda_graphs",
             fp8=True, fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, attention8=True,
             cuda_graphs=True),
+    # torch.compile on top of the converted form: under a trace every kernel of ours takes its eager twin (Inductor
+    # writes those passes); 8-bit attention does not run compiled, and a compiled batch replays no CUDA graphs.
+    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum", fp8=True,
+            fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True),
+    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + compile", fp8=True,
+            fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, compiled=True),
 ]
 
 
@@ -125,11 +133,13 @@ def torchao_recipe(reference: Any) -> tuple[Any | None, str | None]:
     return SimpleNamespace(transformer=transformer), None
 
 
-def build_variants(ours: FluxServePipeline, variants: list[Variant]) -> tuple[dict[str, FluxServePipeline],
-                                                                                dict[str, str]]:
+def build_variants(ours: FluxServePipeline, variants: list[Variant],
+                   compile_plan: tuple[list[tuple[int, int]], list[int]] = ([], [])
+                   ) -> tuple[dict[str, FluxServePipeline], dict[str, str]]:
     """One pipeline per variant. Variants of one form (fused_projections, fp8) share one transformer: the
     unconverted form is ours itself; each converted form is a deep copy of ours converted the way a high replica
-    converts at start (fp8 forms first, while the least memory is held). Text encoders and VAE are shared."""
+    converts at start (fp8 forms first, while the least memory is held). Text encoders and VAE are shared. A
+    compiled variant compiles for `compile_plan` ((height, width) sizes, batch sizes) as a compiled replica does."""
     from diffusers import FluxPipeline
 
     forms: dict[tuple[bool, bool, bool], Any] = {(False, False, False): ours.pipe}
@@ -162,6 +172,14 @@ def build_variants(ours: FluxServePipeline, variants: list[Variant]) -> tuple[di
         pipe.high_step_cache = v.step_cache
         if v.cuda_graphs:
             pipe.enable_cuda_graphs()
+        if v.compiled:
+            try:
+                with v.switches():
+                    pipe.enable_compile(compile_plan[0], steps=2, batch_sizes=compile_plan[1])
+            except Exception:
+                errors[v.name] = traceback.format_exc()[-2000:]
+                continue
+            print(f"variant {v.name!r} compiled in {pipe.compile_warmup_s:.1f}s", flush=True)
         built[v.name] = pipe
     return built, {k: e for k, e in errors.items() if not k.startswith("(")}
 
@@ -198,13 +216,14 @@ def step_fn(pipe: FluxServePipeline | Any, v: Variant | None, inputs: dict[str, 
     transformer = pipe.transformer
     if v is None:
         return lambda: _forwards(transformer, inputs, calls)
-    plan = pipe.plan("high", compiled=False, cuda_graphs=v.cuda_graphs)
+    plan = pipe.plan("high", compiled=v.compiled, cuda_graphs=v.cuda_graphs)
     if not v.mount_gelu:
         plan = plan_tier("high", fast_norm=plan.fast_norm, attention8=plan.attention8, cuda_graphs=plan.cuda_graphs,
-                         fp8=plan.fp8, fused_projections=plan.fused_projections)
+                         fp8=plan.fp8, fused_projections=plan.fused_projections, compiled=plan.compiled)
 
     def call() -> Any:
-        with v.switches(), applied_tier(transformer, plan, step_graphs=pipe.step_graphs):
+        with v.switches(), applied_tier(transformer, plan, block_runners=pipe.block_runners,
+                                        step_graphs=pipe.step_graphs):
             return _forwards(transformer, inputs, calls)
 
     return call
@@ -221,13 +240,17 @@ def lossless_step_fn(pipe: FluxServePipeline, inputs: dict[str, Any], calls: int
 
 
 def time_steps(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Median / min / max ms per fn, interleaved; Dynamo graphs compiled meanwhile add to `recompiles_while_timing`
+    (a compiled variant was compiled before: steady state compiles nothing)."""
     times: dict[str, list[float]] = defaultdict(list)
+    graphs_before = counters["stats"]["unique_graphs"]
     with torch.no_grad():
         for i in range(warmup + repeats):
             for name, fn in fns.items():
                 t, _ = timed(fn)
                 if i >= warmup:
                     times[name].append(t * 1000)
+    counters["fluxserve"]["recompiles_while_timing"] += counters["stats"]["unique_graphs"] - graphs_before
     return {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)} for k, v in times.items()}
 
 
@@ -301,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [v for v in VARIANTS if args.only is None or v.name in args.only]
     if args.only is not None and len(chosen) != len(set(args.only)):
         raise SystemExit(f"--only: unknown variant(s) {sorted(set(args.only) - {v.name for v in chosen})}")
-    variants, errors = build_variants(ours, chosen)
+    variants, errors = build_variants(ours, chosen, ([(args.size, args.size)], args.batches))
     for name, err in errors.items():
         print(f"variant {name!r} not built: {err}", flush=True)
     by_name = {v.name: v for v in chosen}
@@ -367,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def high_generate(pipe: FluxServePipeline, v: Variant) -> Any:
         with v.switches():
-            return pipe.generate([req("high", args.e2e_steps)], compiled=False)
+            return pipe.generate([req("high", args.e2e_steps)], compiled=v.compiled)
 
     quality: dict[str, dict[str, Any]] = defaultdict(dict)
     md5_equal: dict[int, bool] = {}
@@ -378,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, pipe in variants.items():
             try:
                 with by_name[name].switches():
-                    r = pipe.generate([req("high", steps)], compiled=False)[0]
+                    r = pipe.generate([req("high", steps)], compiled=by_name[name].compiled)[0]
             except Exception:
                 errors[f"e2e {name} {steps}"] = traceback.format_exc()[-2000:]
                 continue
@@ -421,7 +444,10 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"name": v.name, "fused_projections": v.fused_projections, "fp8": v.fp8,
                                "fast_norm": v.fast_norm, "cuda_graphs": v.cuda_graphs, "step_cache": v.step_cache,
                                "fp8_norm_producer": v.norm_producer, "attention8": v.attention8,
-                               "fp8_fast_accum": v.fast_accum, "fp8_adaln": v.fp8 and v.fp8_adaln}
+                               "fp8_fast_accum": v.fast_accum, "fp8_adaln": v.fp8 and v.fp8_adaln,
+                               "compiled": v.compiled}
+        if v.compiled and v.name in variants:
+            row["compile_warmup_s"] = variants[v.name].compile_warmup_s
         if v.name in e2e:
             row["e2e_s"] = e2e[v.name]
             row["e2e_speedup_vs_diffusers"] = e2e["diffusers"] / e2e[v.name]
@@ -467,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                                             if "in_batch_ms" in b1.get(TORCHAO, {})
                                             and "in_batch_ms" in b1.get(high_name or "", {}) else None),
         "torchao_compile_s": torchao_compile_s,
+        "recompiles_while_timing": counters["fluxserve"]["recompiles_while_timing"],
         "high_e2e_speedup": e2e["diffusers"] / e2e["high"] if e2e else None,
         "e2e_s": e2e,
         "psnr_high_db": high_q.get(last_steps, {}).get("psnr_db"),
@@ -553,6 +580,10 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
         lines += [f"The high set against `{TORCHAO}` (batch 1, in a batch): "
                   f"{f(r['high_vs_torchao_recipe_in_batch'], '.2f')}x; the recipe's compile (its first two calls): "
                   f"{r['torchao_compile_s']} s.", ""]
+    compiled = [t for t in r["techniques"] if t.get("compiled")]
+    for t in compiled:
+        lines += [f"`{t['name']}`: compiled and warmed up in {f(t.get('compile_warmup_s'), '.1f')} s before timing; "
+                  f"Dynamo graphs compiled while timing (every variant): {r['recompiles_while_timing']}.", ""]
     if r["profile_high_step_ms_by_family"]:
         lines += ["Profile of the high set's step (B=1, CUDA kernel time per step):", "", "| family | ms |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in r["profile_high_step_ms_by_family"].items()]

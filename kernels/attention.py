@@ -41,7 +41,9 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def _input_refusal(path: str, query: torch.Tensor, attn_mask: torch.Tensor | None, capability: tuple[int, int],
                    gpus: str) -> str | None:
-    """The refusals both 8-bit paths share: device, compute capability, dtype, mask."""
+    """The refusals both 8-bit paths share: torch.compile, device, compute capability, dtype, mask."""
+    if torch.compiler.is_compiling():  # a cuDNN graph and our launchers are called, not traced
+        return f"{path} does not run under torch.compile"
     if query.device.type != "cuda":
         return f"{path} needs a CUDA device (inputs are on {query.device})"
     if torch.cuda.get_device_capability(query.device) < capability:

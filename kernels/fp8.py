@@ -114,11 +114,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     """[..., K] as [M, K] with a unit last stride (a view where the layout allows, else a copy)."""
     if t.stride(-1) != 1:
         t = t.contiguous()
-    rows = t.shape[:-1].numel()
-    try:
-        return t.view(rows, t.shape[-1])
-    except RuntimeError:
-        return t.reshape(rows, t.shape[-1])
+    return t.reshape(t.shape[:-1].numel(), t.shape[-1])
 
 
 def quantize_rows(a: torch.Tensor, b: torch.Tensor | None = None,
@@ -129,7 +125,8 @@ def quantize_rows(a: torch.Tensor, b: torch.Tensor | None = None,
     b2 = None if b is None else _rows(b)
     if b2 is not None and b2.shape[0] != a2.shape[0]:
         raise ValueError(f"quantize_rows: {tuple(a.shape)} and {tuple(b.shape)} have different leading shapes")
-    if a2.device.type != "cuda" or a2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if (a2.device.type != "cuda" or a2.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+            or torch.compiler.is_compiling()):  # Dynamo traces the twin (Inductor writes its pass), not a launcher
         return quantize_rows_eager(a2, b2, gelu_b)
     from . import _fp8_triton
 
@@ -238,7 +235,8 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if isinstance(x, Fp8Rows):  # quantized by the pass that produced it
             return self.matmul(x.q, x.scale).view(*x.shape[:-1], self.out_features)
-        if self.weight_only and x.shape[:-1].numel() <= WEIGHT_ONLY_ROWS:
+        # (Under torch.compile the GEMV's launcher is not traced: the layer takes the quantized GEMM instead.)
+        if self.weight_only and x.shape[:-1].numel() <= WEIGHT_ONLY_ROWS and not torch.compiler.is_compiling():
             y = weight_only_linear(_rows(x), self.weight, self.weight_scale, self.bias)
             return y.view(*x.shape[:-1], self.out_features)
         q, scale = quantize_rows(x)

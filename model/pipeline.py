@@ -206,6 +206,11 @@ class FluxServePipeline:
         return self._compiled_runners is not None
 
     @property
+    def block_runners(self) -> tuple[Any, Any] | None:
+        """The (double, single) compiled block runners `enable_compile` made, or None."""
+        return self._compiled_runners
+
+    @property
     def cuda_graphs_enabled(self) -> bool:
         return self._step_graphs is not None
 
