@@ -494,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
                                             and "in_batch_ms" in b1.get(high_name or "", {}) else None),
         "torchao_compile_s": torchao_compile_s,
         "recompiles_while_timing": counters["fluxserve"]["recompiles_while_timing"],
+        "graph_breaks": dict(counters["graph_break"]),
         "high_e2e_speedup": e2e["diffusers"] / e2e["high"] if e2e else None,
         "e2e_s": e2e,
         "psnr_high_db": high_q.get(last_steps, {}).get("psnr_db"),
@@ -583,7 +584,8 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
     compiled = [t for t in r["techniques"] if t.get("compiled")]
     for t in compiled:
         lines += [f"`{t['name']}`: compiled and warmed up in {f(t.get('compile_warmup_s'), '.1f')} s before timing; "
-                  f"Dynamo graphs compiled while timing (every variant): {r['recompiles_while_timing']}.", ""]
+                  f"Dynamo graphs compiled while timing (every variant): {r['recompiles_while_timing']}; graph "
+                  f"breaks: {sum(r['graph_breaks'].values())} {r['graph_breaks'] or ''}.", ""]
     if r["profile_high_step_ms_by_family"]:
         lines += ["Profile of the high set's step (B=1, CUDA kernel time per step):", "", "| family | ms |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in r["profile_high_step_ms_by_family"].items()]

@@ -42,7 +42,10 @@ def modulate_eager(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tenso
 
 
 def _signature(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> Signature | None:
-    if normed.device.type != "cuda" or normed.dim() != 3 or normed.dtype not in _FLOATS:
+    """The gate key, or None where no kernel applies (as `kernels.rope._signature`; None inside a trace too)."""
+    if torch.compiler.is_compiling() or normed.device.type != "cuda" or normed.dim() != 3:
+        return None
+    if normed.dtype not in _FLOATS:
         return None
     if torch.is_grad_enabled() and (normed.requires_grad or scale.requires_grad or shift.requires_grad):
         return None
@@ -88,8 +91,7 @@ def _ln_signature(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps
 
 
 def _fast_supported(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> bool:
-    return (x.dtype in _HALF and _signature(x, scale, shift) is not None and x.shape[2] <= 16384
-            and not torch.compiler.is_compiling())
+    return x.dtype in _HALF and _signature(x, scale, shift) is not None and x.shape[2] <= 16384
 
 
 def layer_norm_modulate(

@@ -40,8 +40,9 @@ def rope_cat_eager(txt: torch.Tensor | None, img: torch.Tensor, cos: torch.Tenso
 
 
 def _signature(txt: torch.Tensor | None, img: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Signature | None:
-    """The gate key, or None where the kernel does not apply (CPU, autograd, odd layouts)."""
-    if img.device.type != "cuda" or img.dim() != 4 or img.dtype not in _FLOATS:
+    """The gate key, or None where the kernel does not apply (CPU, autograd, odd layouts, inside a torch.compile
+    trace: there the eager twin is traced, and reading data pointers would break the graph)."""
+    if torch.compiler.is_compiling() or img.device.type != "cuda" or img.dim() != 4 or img.dtype not in _FLOATS:
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (txt, img, cos, sin)):
         return None
@@ -133,7 +134,7 @@ def rms_rope_fast(
     """The non-exact one-pass QK RMSNorm + RoPE (quality "high") where the exact kernel would apply, else None (CPU,
     odd layouts, torch.compile). fp8=True: quantized to e4m3 in the same pass, with one scale for the tensor that the
     norm weights bound: (values [B, T + I, H, D], fp32 descale [1])."""
-    if torch.compiler.is_compiling() or _rms_signature(txt, img, norm_txt, norm_img, cos, sin) is None:
+    if _rms_signature(txt, img, norm_txt, norm_img, cos, sin) is None:
         return None
     from . import _high_triton
 
