@@ -585,7 +585,7 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
     for t in compiled:
         lines += [f"`{t['name']}`: compiled and warmed up in {f(t.get('compile_warmup_s'), '.1f')} s before timing; "
                   f"Dynamo graphs compiled while timing (every variant): {r['recompiles_while_timing']}; graph "
-                  f"breaks: {sum(r['graph_breaks'].values())} {r['graph_breaks'] or ''}.", ""]
+                  f"breaks: {sum(r['graph_breaks'].values())}{' ' + str(r['graph_breaks']) if r['graph_breaks'] else ''}.", ""]
     if r["profile_high_step_ms_by_family"]:
         lines += ["Profile of the high set's step (B=1, CUDA kernel time per step):", "", "| family | ms |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in r["profile_high_step_ms_by_family"].items()]
