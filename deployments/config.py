@@ -84,7 +84,8 @@ class PoolArgs:
     # High pool only: 8-bit attention: cuDNN's fp8 attention where it applies (Hopper, nvidia-cudnn-frontend, head
     # size 128; kernels.attention.cudnn_fp8_refusal), else the Triton int8 Q K^T / fp8 P V kernel (CUDA fp16/bf16,
     # head size 32, 64 or 128), else SDPA. Not bit-exact: speed and PSNR/SSIM in bench/results/high-h200.md.
-    # The lossless pool refuses it.
+    # On by default for the high pool where tp is 1 and compile is off (AppArgs.parse; it does not run compiled);
+    # the lossless pool refuses it.
     attention8: bool = False
     # Either pool (tp == 1, device cuda): replay each transformer step from a CUDA graph, captured on the first
     # request of each batch size / resolution (removes the host launch gaps; bit-identical, so lossless stays
@@ -164,11 +165,12 @@ class AppArgs:
             given = pools_raw.get(q) or {}
             # The high pool's converted form (it met the quality bar) is on by default where the pool's other
             # settings admit it (tp 1, not compiled, no LoRAs); asked for explicitly elsewhere, it is an error below.
-            # Its fast norm kernels met the bar too and run anywhere (refused off CUDA fp16/bf16: exact path kept).
-            convert = (q == "high" and given.get("tp", 1) == 1 and not given.get("compile", False)
-                       and (not raw.get("loras") or bool(raw.get("fuse_lora"))))
+            # Its fast norm kernels met the bar too and run anywhere (refused off CUDA fp16/bf16: exact path kept);
+            # so did 8-bit attention, measured where the converted form is (tp 1, not compiled).
+            measured_form = q == "high" and given.get("tp", 1) == 1 and not given.get("compile", False)
+            convert = measured_form and (not raw.get("loras") or bool(raw.get("fuse_lora")))
             p = {"batch_invariant": q == "lossless", "fused_projections": convert, "fp8": convert,
-                 "fast_norm": q == "high", **given}
+                 "fast_norm": q == "high", "attention8": measured_form, **given}
             _reject_unknown(p, PoolArgs, f"args.pools.{q}")
             pool = PoolArgs(**p)
             if not isinstance(pool.tp, int) or pool.tp < 1:
@@ -181,9 +183,11 @@ class AppArgs:
                 if getattr(pool, key) and pool.tp != 1:
                     raise ValueError(f"args.pools.{q}.{key} is not supported with tp > 1 yet (got tp={pool.tp}): the "
                                      "sharded layers are not converted")
+            for key in ("fused_projections", "fp8", "attention8"):
                 if getattr(pool, key) and pool.compile:
-                    raise ValueError(f"args.pools.{q}.{key} and compile exclude each other (their combination is "
-                                     "not measured yet); choose one")
+                    raise ValueError(f"args.pools.{q}.{key} and compile exclude each other: compiled, the converted "
+                                     "form's kernels and 8-bit attention give way to Inductor's passes and SDPA, "
+                                     "measured slower (bench/results/high-h200.md); choose one")
             _check_cuda_graphs(pool, q)
             _check_step_cache(pool, q)
             pools[q] = pool

@@ -210,14 +210,22 @@ def test_the_pipeline_plans_attention8_for_high_on_cuda_half_only(tiny_path: Pat
 @pytest.mark.parametrize("raw, message", [
     ({"pools": {"lossless": {"attention8": True}}}, "high pool only"),
     ({"pools": {"high": {"attention8": 1}}}, "true or false"),
+    ({"pools": {"high": {"attention8": True, "compile": True}}}, "attention8 and compile exclude each other"),
 ])
 def test_bad_attention8_options_are_config_errors(raw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AppArgs.parse(raw)
 
 
-def test_the_high_pool_takes_attention8() -> None:
-    assert AppArgs.parse({"pools": {"high": {"attention8": True}}}).pools["high"].attention8
+def test_attention8_is_on_by_default_for_the_high_pool_where_it_was_measured() -> None:
+    def pools(high: dict) -> dict:
+        return AppArgs.parse({"pools": {"high": high}}).pools
+
+    assert pools({})["high"].attention8 and not pools({})["lossless"].attention8
+    assert not pools({"attention8": False})["high"].attention8
+    assert not pools({"compile": True})["high"].attention8  # it does not run compiled
+    assert not pools({"tp": 2})["high"].attention8  # not measured sharded: asked for, it runs
+    assert pools({"tp": 2, "attention8": True})["high"].attention8
 
 
 # ---------------------------------------------------------------------------------------------------------------
