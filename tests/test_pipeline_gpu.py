@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kernels
+from model.flux import FluxAttention
 from model.loading import load_pipeline
 from model.metrics import psnr, ssim
 from model.pipeline import GenerationRequest, md5
@@ -107,7 +108,8 @@ def test_gpu_high_fast_norm_switches_sites_and_stays_close(gpu_pipe) -> None:
     from kernels.modulate import fast_norm_sites
 
     model = gpu_pipe.transformer
-    n_sites = 3 * model.config.num_layers + model.config.num_single_layers
+    # LayerNorm + modulate sites (3 per double block, 1 per single block) and QK RMSNorm + RoPE (1 per attention)
+    n_sites = 3 * model.config.num_layers + model.config.num_single_layers + sum(isinstance(m, FluxAttention) for m in model.modules())
     lossless = gpu_pipe.generate([GenerationRequest("a bowl of ramen", seed=5, steps=4)])[0]
     high = gpu_pipe.generate([GenerationRequest("a bowl of ramen", seed=5, steps=4, quality="high")])[0]
     gpu_pipe.high_fast_norm = True
