@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from deployments.errors import BadRequest
-from model.request import DEFAULT_MODEL, DEFAULT_STEPS, DTYPES, QUALITIES, SizeError
+from model.request import DEFAULT_MODEL, DEFAULT_STEPS, DTYPES, HIGH_DEFAULTS, QUALITIES, SizeError
 from model.request import parse_size as parse_request_size
 
 
@@ -163,14 +163,16 @@ class AppArgs:
         pools: dict[str, PoolArgs] = {}
         for q in QUALITIES:
             given = pools_raw.get(q) or {}
-            # The high pool's converted form (it met the quality bar) is on by default where the pool's other
-            # settings admit it (tp 1, not compiled, no LoRAs); asked for explicitly elsewhere, it is an error below.
-            # Its fast norm kernels met the bar too and run anywhere (refused off CUDA fp16/bf16: exact path kept);
-            # so did 8-bit attention, measured where the converted form is (tp 1, not compiled).
+            # HIGH_DEFAULTS are on for the high pool where its other settings admit them: the converted form where
+            # tp is 1, it is not compiled and carries no unfused LoRAs (asked for explicitly elsewhere, it is an
+            # error below); 8-bit attention where it was measured (tp 1, not compiled); the fast norms anywhere (off
+            # CUDA fp16/bf16 the exact kernels run).
             measured_form = q == "high" and given.get("tp", 1) == 1 and not given.get("compile", False)
             convert = measured_form and (not raw.get("loras") or bool(raw.get("fuse_lora")))
-            p = {"batch_invariant": q == "lossless", "fused_projections": convert, "fp8": convert,
-                 "fast_norm": q == "high", "attention8": measured_form, **given}
+            admits = {"fused_projections": convert, "fp8": convert, "fast_norm": q == "high",
+                      "attention8": measured_form}
+            p = {"batch_invariant": q == "lossless", **{k: k in HIGH_DEFAULTS and ok for k, ok in admits.items()},
+                 **given}
             _reject_unknown(p, PoolArgs, f"args.pools.{q}")
             pool = PoolArgs(**p)
             if not isinstance(pool.tp, int) or pool.tp < 1:

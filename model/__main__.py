@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from model.request import (DEFAULT_MODEL, DEFAULT_PROMPT, DEFAULT_STEPS, DTYPES, QUALITIES, GenerationRequest,
-                           dtype_name, parse_size, validate_batch)
+from model.request import (DEFAULT_MODEL, DEFAULT_PROMPT, DEFAULT_STEPS, DTYPES, HIGH_DEFAULTS, QUALITIES,
+                           GenerationRequest, dtype_name, parse_size, validate_batch)
 
 _DTYPE_CHOICES = sorted({*DTYPES, "fp32", "bf16", "fp16"})
 
@@ -89,9 +89,11 @@ def verify(pipe: Any, request: Any, progress: bool = False) -> dict[str, Any]:
     t1 = time.perf_counter()
     del reference
     lossless = pipe.generate([request.__class__(**{**vars(request), "quality": "lossless"})], progress=progress)[0]
-    # high as the high pool runs it by default: converted once (fused projections, fp8 where it can run)
+    # high as the high pool runs it by default: converted once (fp8 where it can run), fast norms, 8-bit attention
     fp8_refused = pipe.fp8_refusal()
-    form = pipe.convert_for_high(fp8=fp8_refused is None, fused_projections=True)
+    form = pipe.convert_for_high(fp8="fp8" in HIGH_DEFAULTS and fp8_refused is None,
+                                 fused_projections="fused_projections" in HIGH_DEFAULTS)
+    pipe.high_fast_norm, pipe.high_attention8 = "fast_norm" in HIGH_DEFAULTS, "attention8" in HIGH_DEFAULTS
     high = pipe.generate([request.__class__(**{**vars(request), "quality": "high"})], progress=progress)[0]
     report = pipe.last_mount_report
     refused = dict(getattr(report, "refused", {}) or {})
@@ -103,7 +105,8 @@ def verify(pipe: Any, request: Any, progress: bool = False) -> dict[str, Any]:
         "lossless": {"latents_md5": md5(lossless.latents), "png_md5": md5(lossless.png),
                      "seconds": lossless.timings["total_s"]},
         "high": {"latents_md5": md5(high.latents), "png_md5": md5(high.png), "seconds": high.timings["total_s"],
-                 "mounted_sites": high.mounted_sites,
+                 "mounted_sites": high.mounted_sites, "fast_norm_sites": high.fast_norm_sites,
+                 "attention8_sites": high.attention8_sites,
                  "refused_example": next(iter(refused.items()), None),
                  "fp8": form["fp8"], "fused_projections": form["fused_projections"], "fp8_refused": fp8_refused},
         "lossless_latents_equal": bool(torch.equal(lossless.latents, ref_lat[0])),
@@ -143,7 +146,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         h = res["high"]
         psnr_text = "inf (identical)" if res["high_identical_to_lossless"] else f"{res['psnr_high_vs_lossless_db']:.2f}"
         fp8_text = "fp8" if h["fp8"] else f"bf16 (fp8 refused: {h['fp8_refused']})"
-        print(f"high: fused projections, {fp8_text}, {h['mounted_sites']} GELU sites mounted")
+        print(f"high: fused projections, {fp8_text}, {h['mounted_sites']} GELU sites mounted, "
+              f"{h['fast_norm_sites']} fast norm sites, {h['attention8_sites']} 8-bit attention sites")
         print(f"high vs lossless: PSNR {psnr_text} dB, SSIM {res['ssim_high_vs_lossless']:.5f}")
         cs = res["caption_score"]
         if cs["lossless"] is not None:

@@ -476,8 +476,23 @@ def test_cli_verify_passes_on_tiny_and_reports(tiny_path, capsys) -> None:
     high = res["high"]  # as the high pool runs it: fused projections; on the CPU fp8 is refused
     assert high["fused_projections"] and not high["fp8"] and "CUDA" in high["fp8_refused"]
     assert high["mounted_sites"] == 0
+    assert high["fast_norm_sites"] == high["attention8_sites"] == 0  # CPU fp32: the plan keeps them off
     assert res["high_identical_to_lossless"] or res["psnr_high_vs_lossless_db"] > 40
     assert res["ssim_high_vs_lossless"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_cli_verify_runs_the_high_pools_default_techniques(tiny_path, monkeypatch, capsys) -> None:
+    """Where the plan admits them (CUDA fp16/bf16, faked here), verify's high batch switches on the fast norms and
+    8-bit attention, as the high pool does by default (their kernels then refuse the CPU tensors and fall back)."""
+    from model.__main__ import main
+    from model.pipeline import FluxServePipeline
+    from model.request import HIGH_DEFAULTS
+
+    assert {"fast_norm", "attention8"} <= HIGH_DEFAULTS
+    monkeypatch.setattr(FluxServePipeline, "_cuda_half", lambda self: True)
+    rc = main(["verify", "--model", str(tiny_path), "--steps", "2", "--size", "64x64", "--json", "--no-progress"])
+    high = json.loads(capsys.readouterr().out)["high"]
+    assert rc == 0 and high["fast_norm_sites"] > 0 and high["attention8_sites"] > 0, high
 
 
 def test_cli_verify_exits_1_on_mismatch(tiny_path, monkeypatch, capsys) -> None:
