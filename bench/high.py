@@ -103,8 +103,8 @@ VARIANTS = [
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 + cuda_graphs",
             fp8=True, fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, attention8=True,
             cuda_graphs=True),
-    # torch.compile on top of the converted form: under a trace every kernel of ours takes its eager twin (Inductor
-    # writes those passes); 8-bit attention does not run compiled, and a compiled batch replays no CUDA graphs.
+    # torch.compile on top of the converted form: under a trace our kernels but the residual-gate add take their eager
+    # twins (Inductor writes those passes); 8-bit attention does not run compiled, and a compiled batch replays no CUDA graphs.
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum", fp8=True,
             fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True),
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + compile", fp8=True,
