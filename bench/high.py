@@ -103,8 +103,9 @@ VARIANTS = [
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 + cuda_graphs",
             fp8=True, fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, attention8=True,
             cuda_graphs=True),
-    # torch.compile on top of the converted form: under a trace our kernels but the residual-gate add take their eager
-    # twins (Inductor writes those passes); 8-bit attention does not run compiled, and a compiled batch replays no CUDA graphs.
+    # torch.compile on top of the converted form: under a trace our kernels but the residual-gate add take their
+    # eager twins (Inductor writes those passes); 8-bit attention does not run compiled, and a compiled batch replays
+    # no CUDA graphs.
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum", fp8=True,
             fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True),
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + compile", fp8=True,
@@ -583,9 +584,10 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
                   f"{r['torchao_compile_s']} s.", ""]
     compiled = [t for t in r["techniques"] if t.get("compiled")]
     for t in compiled:
+        breaks = r["graph_breaks"]
         lines += [f"`{t['name']}`: compiled and warmed up in {f(t.get('compile_warmup_s'), '.1f')} s before timing; "
                   f"Dynamo graphs compiled while timing (every variant): {r['recompiles_while_timing']}; graph "
-                  f"breaks: {sum(r['graph_breaks'].values())}{' ' + str(r['graph_breaks']) if r['graph_breaks'] else ''}.", ""]
+                  f"breaks: {sum(breaks.values())}{' ' + str(breaks) if breaks else ''}.", ""]
     if r["profile_high_step_ms_by_family"]:
         lines += ["Profile of the high set's step (B=1, CUDA kernel time per step):", "", "| family | ms |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in r["profile_high_step_ms_by_family"].items()]
