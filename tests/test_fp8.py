@@ -567,13 +567,20 @@ def test_gpu_weight_only_layer_against_its_eager_twin(rows: int) -> None:
     assert torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-2), (y.float() - ref.float()).abs().max()
 
 
+def _flux_dev_width(side: int) -> tuple[FluxTransformer, dict]:
+    """Two double and two single FLUX.1-dev-width blocks (random bf16 weights, CUDA) and inputs of 512 text tokens and
+    a side x side image."""
+    m = random_flux(device="cuda", num_layers=2, num_single_layers=2, guidance_embeds=True)
+    inputs = _inputs(1, torch.bfloat16, "cuda", txt=512, img=side * side, width=64, joint=4096, pooled=768)
+    ys, xs = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    inputs["img_ids"] = torch.stack([torch.zeros_like(ys), ys, xs], -1).reshape(-1, 3).float().cuda()
+    return m, inputs
+
+
 @pytest.mark.gpu
 @_needs_fp8
 def test_gpu_flux_dev_width_blocks_in_fp8_stay_close_to_bf16() -> None:
-    m = random_flux(device="cuda", num_layers=2, num_single_layers=2, guidance_embeds=True)
-    inputs = _inputs(1, torch.bfloat16, "cuda", txt=512, img=4096, width=64, joint=4096, pooled=768)
-    ys, xs = torch.meshgrid(torch.arange(64), torch.arange(64), indexing="ij")
-    inputs["img_ids"] = torch.stack([torch.zeros_like(ys), ys, xs], -1).reshape(-1, 3).float().cuda()
+    m, inputs = _flux_dev_width(64)
     import copy
 
     with torch.no_grad():
@@ -597,10 +604,7 @@ def test_gpu_flux_dev_width_blocks_in_fp8_stay_close_to_bf16() -> None:
 def test_gpu_compiled_fp8_blocks_stay_close_to_the_eager_fp8_form() -> None:
     """Inductor on top of the converted form (our kernels take their eager twins inside the trace): one graph per
     block type, close to eager fp8 at FLUX.1-dev width."""
-    m = random_flux(device="cuda", num_layers=2, num_single_layers=2, guidance_embeds=True)
-    inputs = _inputs(1, torch.bfloat16, "cuda", txt=512, img=1024, width=64, joint=4096, pooled=768)
-    ys, xs = torch.meshgrid(torch.arange(32), torch.arange(32), indexing="ij")
-    inputs["img_ids"] = torch.stack([torch.zeros_like(ys), ys, xs], -1).reshape(-1, 3).float().cuda()
+    m, inputs = _flux_dev_width(32)
     with torch.no_grad():
         ref = m(**inputs)[0]
     m.fuse_qkv_projections()
