@@ -14,11 +14,13 @@ PSNR/SSIM of high vs lossless; with --cuda-graphs, lossless+graphs equal to diff
   python bench/e2e.py --high-compile                    # adds high_compiled: high with torch.compile'd blocks
   python bench/e2e.py --high-fast-norm                  # adds high_fast_norm: high + fast LayerNorm+modulate
   python bench/e2e.py --cuda-graphs                     # adds lossless+graphs, high+graphs: CUDA-graph steps
+  python bench/e2e.py --high-default                    # adds high_default: the high pool's default set
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -37,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 from model.loading import diffusers_reference, load_pipeline  # noqa: E402
 from model.metrics import psnr, ssim  # noqa: E402
-from model.pipeline import GenerationRequest, md5, run_flux_pipeline  # noqa: E402
+from model.pipeline import FluxServePipeline, GenerationRequest, md5, run_flux_pipeline  # noqa: E402
+from model.request import HIGH_DEFAULTS  # noqa: E402
 
 
 def sdpa_backend(batch: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype) -> str:
@@ -50,6 +53,28 @@ def sdpa_backend(batch: int, heads: int, tokens: int, head_dim: int, dtype: torc
         return SDPBackend(choice).name
     except Exception as exc:  # private API: report rather than crash the benchmark
         return f"unknown ({type(exc).__name__}: {exc})"
+
+
+def converted_copy(ours: FluxServePipeline, *, fused_projections: bool, fp8: bool,
+                   fp8_adaln: bool = True) -> FluxServePipeline:
+    """A pipeline over a deep copy of ours' transformer, converted the way a high replica converts at start (text
+    encoders and VAE shared, a scheduler of its own); it then serves high only."""
+    from diffusers import FluxPipeline
+
+    components = dict(ours.pipe.components)
+    components["transformer"] = copy.deepcopy(ours.transformer)
+    components["scheduler"] = type(ours.pipe.scheduler).from_config(ours.pipe.scheduler.config)
+    pipe = FluxServePipeline(FluxPipeline(**components), source=ours.source)
+    pipe.convert_for_high(fused_projections=fused_projections, fp8=fp8, fp8_adaln=fp8_adaln)
+    return pipe
+
+
+def default_high(ours: FluxServePipeline) -> FluxServePipeline:
+    """The high pool's default set (`HIGH_DEFAULTS`) on a converted copy of ours; fp8 only where it can run."""
+    pipe = converted_copy(ours, fused_projections="fused_projections" in HIGH_DEFAULTS,
+                          fp8="fp8" in HIGH_DEFAULTS and ours.fp8_refusal() is None)
+    pipe.high_fast_norm, pipe.high_attention8 = "fast_norm" in HIGH_DEFAULTS, "attention8" in HIGH_DEFAULTS
+    return pipe
 
 
 def _sync() -> None:
@@ -66,10 +91,11 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 # Variants beside baseline/lossless/high, each reported against lossless (PSNR/SSIM) and high (latent diff).
-OPTIONAL_HIGH_VARIANTS = ("high_compiled", "high_fast_norm")
+OPTIONAL_HIGH_VARIANTS = ("high_compiled", "high_fast_norm", "high_default")
 
 
-def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.Namespace,
+              high_pool: FluxServePipeline | None = None) -> dict[str, Any]:
     def req(quality: str) -> GenerationRequest:
         return GenerationRequest(prompt=args.prompt, height=size, width=size, steps=steps, guidance=args.guidance,
                                  seed=args.seed, quality=quality)
@@ -96,6 +122,9 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
             return r.latents, r.png, r.mounted_sites
 
         variants["high_fast_norm"] = high_fast_norm
+    if high_pool is not None:
+        variants["high_default"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+            high_pool.generate([req("high")])[0])
     if args.cuda_graphs:
         # The first call of each captures its graph (two eager steps + capture): the warm-up repeat pays that.
         variants["lossless+graphs"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
@@ -199,6 +228,9 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         "high_fast_norm": lambda: (
             "high plus the fast single-pass LayerNorm+modulate kernel on every norm site (serve config "
             "`pools.high.fast_norm: true`; not bit-exact)."),
+        "high_default": lambda: (
+            f"the high pool's default set ({', '.join(sorted(HIGH_DEFAULTS))}; fp8 where it can run) on a converted "
+            "copy of the transformer, as a high replica holds it; no CUDA graphs."),
     }
     for name in OPTIONAL_HIGH_VARIANTS:
         if not any(f"{name}_s" in r for r in result["runs"]):
@@ -260,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time high with torch.compile'd transformer blocks (variant high_compiled)")
     ap.add_argument("--high-fast-norm", action="store_true",
                     help="also time high with the fast LayerNorm+modulate kernel (variant high_fast_norm)")
+    ap.add_argument("--high-default", action="store_true",
+                    help="also time the high pool's default set on a converted copy (variant high_default)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="also time lossless and high with CUDA-graph replay of each step (lossless+graphs, "
                          "high+graphs)")
@@ -293,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch._dynamo.utils import counters
 
     graphs_before = counters["stats"]["unique_graphs"]
-    runs = [run_steps(ours, reference, s, args.size, args) for s in args.steps]
+    high_pool = default_high(ours) if args.high_default else None
+    runs = [run_steps(ours, reference, s, args.size, args, high_pool) for s in args.steps]
     graphs_during_timing = counters["stats"]["unique_graphs"] - graphs_before
     import diffusers
 

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kernels.switches  # noqa: E402
-from bench.e2e import _sync, timed  # noqa: E402
+from bench.e2e import _sync, converted_copy, timed  # noqa: E402
 from bench.kernel_ops import rel  # noqa: E402
 from model.loading import diffusers_reference, load_pipeline  # noqa: E402
 from model.metrics import psnr, ssim  # noqa: E402
@@ -141,23 +141,15 @@ def build_variants(ours: FluxServePipeline, variants: list[Variant],
     unconverted form is ours itself; each converted form is a deep copy of ours converted the way a high replica
     converts at start (fp8 forms first, while the least memory is held). Text encoders and VAE are shared. A
     compiled variant compiles for `compile_plan` ((height, width) sizes, batch sizes) as a compiled replica does."""
-    from diffusers import FluxPipeline
-
     forms: dict[tuple[bool, bool, bool], Any] = {(False, False, False): ours.pipe}
     errors: dict[str, str] = {}
     for key in sorted({v.form for v in variants} - {(False, False, False)}, key=lambda k: not k[1]):
-        components = dict(ours.pipe.components)
-        components["transformer"] = copy.deepcopy(ours.transformer)
-        components["scheduler"] = type(ours.pipe.scheduler).from_config(ours.pipe.scheduler.config)
-        pipe = FluxServePipeline(FluxPipeline(**components), source=ours.source)
         try:
-            pipe.convert_for_high(fused_projections=key[0], fp8=key[1], fp8_adaln=key[2])
+            forms[key] = converted_copy(ours, fused_projections=key[0], fp8=key[1], fp8_adaln=key[2]).pipe
         except Exception as exc:  # a refused technique (e.g. fp8 on the CPU) is reported, not fatal
             errors[str(key)] = f"{type(exc).__name__}: {exc}"
-            del components, pipe
             gc.collect()
             continue
-        forms[key] = pipe.pipe
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     built: dict[str, FluxServePipeline] = {}
