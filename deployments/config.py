@@ -84,8 +84,8 @@ class PoolArgs:
     # High pool only: 8-bit attention: cuDNN's fp8 attention where it applies (Hopper, nvidia-cudnn-frontend, head
     # size 128; kernels.attention.cudnn_fp8_refusal), else the Triton int8 Q K^T / fp8 P V kernel (CUDA fp16/bf16,
     # head size 32, 64 or 128), else SDPA. Not bit-exact: speed and PSNR/SSIM in bench/results/high-h200.md.
-    # On by default for the high pool where tp is 1 and compile is off (AppArgs.parse; it does not run compiled);
-    # the lossless pool refuses it.
+    # On by default for the high pool with cuda_graphs (tp 1, not compiled: AppArgs.parse; it does not run
+    # compiled); the lossless pool refuses it.
     attention8: bool = False
     # Either pool (tp == 1, device cuda): replay each transformer step from a CUDA graph, captured on the first
     # request of each batch size / resolution (removes the host launch gaps; bit-identical, so lossless stays
@@ -165,12 +165,13 @@ class AppArgs:
             given = pools_raw.get(q) or {}
             # HIGH_DEFAULTS are on for the high pool where its other settings admit them: the converted form where
             # tp is 1, it is not compiled and carries no unfused LoRAs (asked for explicitly elsewhere, it is an
-            # error below); 8-bit attention where it was measured (tp 1, not compiled); the fast norms anywhere (off
-            # CUDA fp16/bf16 the exact kernels run).
+            # error below); 8-bit attention where it was measured fast, with steps replayed from CUDA graphs (an
+            # eager run of it was slow: bench/results/e2e-h200-high-default.md); the fast norms anywhere (off CUDA
+            # fp16/bf16 the exact kernels run).
             measured_form = q == "high" and given.get("tp", 1) == 1 and not given.get("compile", False)
             convert = measured_form and (not raw.get("loras") or bool(raw.get("fuse_lora")))
             admits = {"fused_projections": convert, "fp8": convert, "fast_norm": q == "high",
-                      "attention8": measured_form}
+                      "attention8": measured_form and bool(given.get("cuda_graphs", False))}
             p = {"batch_invariant": q == "lossless", **{k: k in HIGH_DEFAULTS and ok for k, ok in admits.items()},
                  **given}
             _reject_unknown(p, PoolArgs, f"args.pools.{q}")
