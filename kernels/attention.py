@@ -29,6 +29,13 @@ _HEAD_DIMS = (32, 64, 128)
 _refusals_logged: set[str] = set()
 
 
+def _warn_refusal_once(reason: str, template: str) -> None:
+    """Log `template % reason` the first time this process refuses for `reason` (refusals repeat every call)."""
+    if reason not in _refusals_logged:
+        _refusals_logged.add(reason)
+        logger.warning(template, reason)
+
+
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
          attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """diffusers' native attention backend: [B, S, H, D] in, permuted views into SDPA, [B, S, H, D] out."""
@@ -241,9 +248,7 @@ def rope_attention_fp8(
         if q8 is None or k8 is None:
             reason = "cuDNN fp8 attention: the fast QK RMSNorm + RoPE pass does not apply to these inputs"
     if reason is not None:
-        if reason not in _refusals_logged:
-            _refusals_logged.add(reason)
-            logger.warning("%s: another attention path kept", reason)
+        _warn_refusal_once(reason, "%s: another attention path kept")
         return None
     v8, v_scales = _attention_fp8_triton.tokens_fp8(v[0], v[1])
     B, S, H, D = v8.shape
@@ -261,9 +266,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
             reason = "fp8 attention writes into outputs with a unit last stride only"
         if reason is None:
             return fp8_attention(query, key, value, out)
-        if reason not in _refusals_logged:
-            _refusals_logged.add(reason)
-            logger.warning("fp8 attention refused, SDPA kept: %s", reason)
+        _warn_refusal_once(reason, "fp8 attention refused, SDPA kept: %s")
     result = sdpa(query, key, value, attn_mask)
     if out is None:
         return result
