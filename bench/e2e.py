@@ -55,26 +55,15 @@ def sdpa_backend(batch: int, heads: int, tokens: int, head_dim: int, dtype: torc
         return f"unknown ({type(exc).__name__}: {exc})"
 
 
-def converted_copy(ours: FluxServePipeline, *, fused_projections: bool, fp8: bool,
-                   fp8_adaln: bool = True) -> FluxServePipeline:
-    """A pipeline over a deep copy of ours' transformer, converted the way a high replica converts at start (text
-    encoders and VAE shared, a scheduler of its own); it then serves high only."""
+def pipeline_copy(ours: FluxServePipeline) -> FluxServePipeline:
+    """A pipeline over a deep copy of ours' transformer (text encoders and VAE shared, a scheduler of its own), to
+    convert the way a high replica converts at start; it then serves high only."""
     from diffusers import FluxPipeline
 
     components = dict(ours.pipe.components)
     components["transformer"] = copy.deepcopy(ours.transformer)
     components["scheduler"] = type(ours.pipe.scheduler).from_config(ours.pipe.scheduler.config)
-    pipe = FluxServePipeline(FluxPipeline(**components), source=ours.source)
-    pipe.convert_for_high(fused_projections=fused_projections, fp8=fp8, fp8_adaln=fp8_adaln)
-    return pipe
-
-
-def default_high(ours: FluxServePipeline) -> FluxServePipeline:
-    """The high pool's default set (`HIGH_DEFAULTS`) on a converted copy of ours; fp8 only where it can run."""
-    pipe = converted_copy(ours, fused_projections="fused_projections" in HIGH_DEFAULTS,
-                          fp8="fp8" in HIGH_DEFAULTS and ours.fp8_refusal() is None)
-    pipe.high_fast_norm, pipe.high_attention8 = "fast_norm" in HIGH_DEFAULTS, "attention8" in HIGH_DEFAULTS
-    return pipe
+    return FluxServePipeline(FluxPipeline(**components), source=ours.source)
 
 
 def _sync() -> None:
@@ -327,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     from torch._dynamo.utils import counters
 
     graphs_before = counters["stats"]["unique_graphs"]
-    high_pool = default_high(ours) if args.high_default else None
+    high_pool = None
+    if args.high_default:
+        high_pool = pipeline_copy(ours)
+        high_pool.take_high_defaults()
     runs = [run_steps(ours, reference, s, args.size, args, high_pool) for s in args.steps]
     graphs_during_timing = counters["stats"]["unique_graphs"] - graphs_before
     import diffusers

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kernels.switches  # noqa: E402
-from bench.e2e import _sync, converted_copy, timed  # noqa: E402
+from bench.e2e import _sync, pipeline_copy, timed  # noqa: E402
 from bench.kernel_ops import rel  # noqa: E402
 from model.loading import diffusers_reference, load_pipeline  # noqa: E402
 from model.metrics import psnr, ssim  # noqa: E402
@@ -144,12 +144,16 @@ def build_variants(ours: FluxServePipeline, variants: list[Variant],
     forms: dict[tuple[bool, bool, bool], Any] = {(False, False, False): ours.pipe}
     errors: dict[str, str] = {}
     for key in sorted({v.form for v in variants} - {(False, False, False)}, key=lambda k: not k[1]):
+        pipe = None
         try:
-            forms[key] = converted_copy(ours, fused_projections=key[0], fp8=key[1], fp8_adaln=key[2]).pipe
+            pipe = pipeline_copy(ours)
+            pipe.convert_for_high(fused_projections=key[0], fp8=key[1], fp8_adaln=key[2])
         except Exception as exc:  # a refused technique (e.g. fp8 on the CPU) is reported, not fatal
             errors[str(key)] = f"{type(exc).__name__}: {exc}"
+            del pipe  # the copy: freed before the next form is made
             gc.collect()
             continue
+        forms[key] = pipe.pipe
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     built: dict[str, FluxServePipeline] = {}

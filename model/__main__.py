@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from model.request import (DEFAULT_MODEL, DEFAULT_PROMPT, DEFAULT_STEPS, DTYPES, HIGH_DEFAULTS, QUALITIES,
-                           GenerationRequest, dtype_name, parse_size, validate_batch)
+from model.request import (DEFAULT_MODEL, DEFAULT_PROMPT, DEFAULT_STEPS, DTYPES, QUALITIES, GenerationRequest,
+                           dtype_name, parse_size, validate_batch)
 
 _DTYPE_CHOICES = sorted({*DTYPES, "fp32", "bf16", "fp16"})
 
@@ -89,11 +89,9 @@ def verify(pipe: Any, request: Any, progress: bool = False) -> dict[str, Any]:
     t1 = time.perf_counter()
     del reference
     lossless = pipe.generate([request.__class__(**{**vars(request), "quality": "lossless"})], progress=progress)[0]
-    # high as the high pool runs it by default: converted once (fp8 where it can run), fast norms, 8-bit attention
+    # high with the high pool's default techniques: converted once (fp8 where it can run), fast norms, 8-bit attention
     fp8_refused = pipe.fp8_refusal()
-    form = pipe.convert_for_high(fp8="fp8" in HIGH_DEFAULTS and fp8_refused is None,
-                                 fused_projections="fused_projections" in HIGH_DEFAULTS)
-    pipe.high_fast_norm, pipe.high_attention8 = "fast_norm" in HIGH_DEFAULTS, "attention8" in HIGH_DEFAULTS
+    form = pipe.take_high_defaults()
     high = pipe.generate([request.__class__(**{**vars(request), "quality": "high"})], progress=progress)[0]
     report = pipe.last_mount_report
     refused = dict(getattr(report, "refused", {}) or {})

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from model import faults
 from model.preview import PreviewSink, previewer_of
-from model.request import GenerationRequest, Quality, decode_image, png_bytes, validate_batch
+from model.request import HIGH_DEFAULTS, GenerationRequest, Quality, decode_image, png_bytes, validate_batch
 from model.tiers import TierPlan, applied_tier, plan_tier
 
 if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request types without needing torch
@@ -358,6 +358,16 @@ class FluxServePipeline:
                 self._step_graphs.reset()  # captured with the old layers
         self.release_memory()  # the replaced bf16 weights
         return {"fp8": self.fp8, "fused_projections": self.fused_projections, "kept_bf16": kept}
+
+    def take_high_defaults(self) -> dict[str, Any]:
+        """Take the high tier's default techniques (`HIGH_DEFAULTS`) whatever the pool settings a config would weigh:
+        converted once (fp8 only where it can run), fast norms and 8-bit attention in high batches. Returns
+        `convert_for_high`'s report."""
+        form = self.convert_for_high(fp8="fp8" in HIGH_DEFAULTS and self.fp8_refusal() is None,
+                                     fused_projections="fused_projections" in HIGH_DEFAULTS)
+        self.high_fast_norm = "fast_norm" in HIGH_DEFAULTS
+        self.high_attention8 = "attention8" in HIGH_DEFAULTS
+        return form
 
     def plan(self, quality: Quality, compiled: bool | None = None, cuda_graphs: bool | None = None) -> TierPlan:
         """The tier plan of a batch of `quality` under this pipeline's settings. `compiled` (default: after
