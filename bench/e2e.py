@@ -15,6 +15,7 @@ PSNR/SSIM of high vs lossless; with --cuda-graphs, lossless+graphs equal to diff
   python bench/e2e.py --high-fast-norm                  # adds high_fast_norm: high + fast LayerNorm+modulate
   python bench/e2e.py --cuda-graphs                     # adds lossless+graphs, high+graphs: CUDA-graph steps
   python bench/e2e.py --high-default                    # adds high_default: the high pool's default set
+  python bench/e2e.py --high-default --cuda-graphs      # ... and high_default_graphs: the same, CUDA-graph steps
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 # Variants beside baseline/lossless/high, each reported against lossless (PSNR/SSIM) and high (latent diff).
-OPTIONAL_HIGH_VARIANTS = ("high_compiled", "high_fast_norm", "high_default")
+OPTIONAL_HIGH_VARIANTS = ("high_compiled", "high_fast_norm", "high_default", "high_default_graphs")
 
 
 def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.Namespace,
@@ -113,7 +114,10 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
         variants["high_fast_norm"] = high_fast_norm
     if high_pool is not None:
         variants["high_default"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
-            high_pool.generate([req("high")])[0])
+            high_pool.generate([req("high")], cuda_graphs=False)[0])
+        if high_pool.cuda_graphs_enabled:
+            variants["high_default_graphs"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+                high_pool.generate([req("high")], cuda_graphs=True)[0])
     if args.cuda_graphs:
         # The first call of each captures its graph (two eager steps + capture): the warm-up repeat pays that.
         variants["lossless+graphs"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
@@ -148,6 +152,9 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
             f"{name}_mounted_sites": c_sites,
             f"{name}_max_abs_latent_diff_vs_high": float((c_lat.float() - h_lat.float()).abs().max()),
         })
+    if "high_default_graphs" in last:  # graph replay runs the eager step's kernels: expected bit-identical
+        extra["high_default_graphs_latents_equal_to_high_default"] = bool(
+            torch.equal(last["high_default"][0], last["high_default_graphs"][0]))
     if "lossless+graphs" in last:
         g_lat, g_png, _ = last["lossless+graphs"]
         hg_lat, hg_png, hg_sites = last["high+graphs"]
@@ -220,6 +227,10 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         "high_default": lambda: (
             f"the high pool's default set ({', '.join(sorted(HIGH_DEFAULTS))}; fp8 where it can run) on a converted "
             "copy of the transformer, as a high replica holds it; no CUDA graphs."),
+        "high_default_graphs": lambda: (
+            "high_default with every step replayed from a CUDA graph (captured in the warm-up run), as a high pool "
+            "with `cuda_graphs: true` runs it; latents equal to high_default's (per step count): "
+            f"{[r.get('high_default_graphs_latents_equal_to_high_default') for r in result['runs']]}."),
     }
     for name in OPTIONAL_HIGH_VARIANTS:
         if not any(f"{name}_s" in r for r in result["runs"]):
@@ -320,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.high_default:
         high_pool = pipeline_copy(ours)
         high_pool.take_high_defaults()
+        if args.cuda_graphs:
+            high_pool.enable_cuda_graphs()
     runs = [run_steps(ours, reference, s, args.size, args, high_pool) for s in args.steps]
     graphs_during_timing = counters["stats"]["unique_graphs"] - graphs_before
     import diffusers

@@ -63,10 +63,12 @@ class Variant:
     fast_accum: bool = False  # fp8 forms: GEMMs without periodic fp32 promotion (switch fp8_fast_accum)
     fp8_adaln: bool = True  # fp8 forms: the AdaLN linears as weight-only fp8 layers (False: kept bf16)
     compiled: bool = False  # blocks through the pipeline's regional torch.compile (compiled before timing)
+    attention8_cudnn: bool = True  # attention8 through cuDNN's fp8 SDPA where it applies (False: the Triton kernel)
 
     def switches(self) -> Any:
         """The kernel switches this variant sets around each of its calls (step and end to end)."""
-        return kernels.switches.override(fp8_norm_producer=self.norm_producer, fp8_fast_accum=self.fast_accum)
+        return kernels.switches.override(fp8_norm_producer=self.norm_producer, fp8_fast_accum=self.fast_accum,
+                                         attention8_cudnn=self.attention8_cudnn)
 
     @property
     def form(self) -> tuple[bool, bool, bool]:
@@ -110,6 +112,13 @@ VARIANTS = [
             fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True),
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + compile", fp8=True,
             fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, compiled=True),
+    # 8-bit attention without CUDA graphs (an eager end-to-end run of it was slow: bench/host_time.py asks why),
+    # through cuDNN and through the Triton kernel.
+    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8", fp8=True,
+            fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, attention8=True),
+    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 (Triton)",
+            fp8=True, fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, attention8=True,
+            attention8_cudnn=False),
 ]
 
 
