@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from deployments.errors import BadRequest
-from model.request import DEFAULT_MODEL, DEFAULT_STEPS, DTYPES, HIGH_DEFAULTS, QUALITIES, SizeError
+from model.request import (DEFAULT_MODEL, DEFAULT_STEPS, DTYPES, HIGH_DEFAULTS, QUALITIES, SizeError,
+                           step_cache_error)
 from model.request import parse_size as parse_request_size
 
 
@@ -101,7 +102,8 @@ class PoolArgs:
     fp8: bool = False
     # High pool only: First-Block-Cache (a step whose first block's residual changed by less than this fraction
     # since the last computed step reuses that step's residual of the other blocks). Not bit-exact; off (null) by
-    # default: its quality can only be judged on trained weights. Not with cuda_graphs.
+    # default: its quality can only be judged on trained weights. Not with cuda_graphs. A request may set its own
+    # (`step_cache`: 0 computes every step) where the pool could run one (`step_cache_refusal`).
     step_cache_threshold: float | None = None
 
     @property
@@ -339,21 +341,30 @@ def _check_loras(loras: Any, pools: dict[str, PoolArgs], fuse: Any = False) -> N
                              "adapters wrap; turn them off for a deployment that serves LoRAs, or fuse its one adapter (fuse_lora)")
 
 
+def step_cache_refusal(pool: PoolArgs, name: str) -> str | None:
+    """Why pool `name` cannot run a First-Block step cache, set in its config or asked for by a request; or None."""
+    if name != "high":
+        return (f"the step cache is for the high pool only: skipped steps are not bit-exact, and the {name} pool "
+                "must stay byte-identical to eager diffusers")
+    if pool.tp != 1:
+        return (f"the step cache is not supported with tp > 1 yet (pool {name} has tp={pool.tp}): every rank would "
+                "have to take the same skip decision")
+    return None
+
+
 def _check_step_cache(pool: PoolArgs, name: str) -> None:
     t = pool.step_cache_threshold
     if t is None:
         return
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < 1:
-        raise ValueError(f"args.pools.{name}.step_cache_threshold must be a number in [0, 1) or null, got {t!r}")
-    if name != "high":
-        raise ValueError(f"args.pools.{name}.step_cache_threshold is for the high pool only: skipped steps are not "
-                         f"bit-exact, and the {name} pool must stay byte-identical to eager diffusers")
+    error = step_cache_error(t)
+    if error is not None:
+        raise ValueError(f"args.pools.{name}.step_cache_threshold {error} (or null)")
+    refusal = step_cache_refusal(pool, name)
+    if refusal is not None:
+        raise ValueError(f"args.pools.{name}.step_cache_threshold: {refusal}")
     if pool.cuda_graphs:
         raise ValueError(f"args.pools.{name}: step_cache_threshold and cuda_graphs exclude each other (the cache "
-                         "decides per step on the host)")
-    if pool.tp != 1:
-        raise ValueError(f"args.pools.{name}.step_cache_threshold is not supported with tp > 1 yet (got tp={pool.tp}): "
-                         "every rank would have to take the same skip decision")
+                         "decides per step on the host; a request's own step_cache runs its batch without graphs)")
 
 
 def _reject_unknown(raw: dict[str, Any], cls: type, where: str) -> None:

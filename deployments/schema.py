@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from deployments.config import AppArgs
+from deployments.config import AppArgs, step_cache_refusal
 from deployments.errors import BadRequest
 from model.preview import MAX_PARTIAL_IMAGES
-from model.request import QUALITIES, SEED_LIMIT, GenerationRequest, decode_image, format_size
+from model.request import QUALITIES, SEED_LIMIT, GenerationRequest, decode_image, format_size, step_cache_error
 
 SEED_MAX = SEED_LIMIT - 1
 
@@ -78,6 +78,11 @@ class ImageRequest(BaseModel):
     moderation: Literal["auto", "low"] = Field("auto", description="Accepted for OpenAI clients; no moderation runs.")
     lora: list[LoraRef] | None = Field(
         None, description='LoRA adapters the server serves, by name, with scales: [{"name": "ink", "scale": 0.8}].'
+    )
+    step_cache: StrictFloat | StrictInt | None = Field(
+        None, description="quality high only: First-Block step cache threshold in [0, 1) for this request (a step "
+                          "whose first block's output changed by less than this fraction reuses the last computed "
+                          "step's other blocks; not bit-exact); 0 computes every step; default: the pool's setting."
     )
 
 
@@ -173,7 +178,9 @@ def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
         raise BadRequest("output_compression", f"output_compression must be between 0 and 100, got {compression}")
     _check_delivery(req, args)
     loras = _loras(req.lora or [], args)
-    jobs = [GenerationRequest(req.prompt, height, width, steps, guidance, seed + i, quality, loras)
+    _check_step_cache(req.step_cache, quality, args)
+    jobs = [GenerationRequest(req.prompt, height, width, steps, guidance, seed + i, quality, loras,
+                              step_cache=None if req.step_cache is None else float(req.step_cache))
             for i in range(req.n)]
     return Validated(jobs=jobs, timeout_s=timeout_s, size=format_size(height, width),
                      output_format=req.output_format, output_compression=compression,
@@ -196,6 +203,18 @@ def _check_delivery(req: ImageRequest, args: AppArgs) -> None:
                                                 "streamed")
         if args.image_url_ttl_s <= 0:
             raise BadRequest("response_format", "this server keeps no images (image_url_ttl_s is 0): use b64_json")
+
+
+def _check_step_cache(threshold: float | None, quality: str, args: AppArgs) -> None:
+    """A request's own step cache threshold: valid, and for a pool that can run the cache."""
+    if threshold is None:
+        return
+    error = step_cache_error(threshold)
+    if error is not None:
+        raise BadRequest("step_cache", f"step_cache {error}")
+    refusal = step_cache_refusal(args.pools[quality], quality)
+    if refusal is not None:
+        raise BadRequest("step_cache", f"step_cache: {refusal} (this request asks for quality {quality!r})")
 
 
 def _loras(refs: list[LoraRef], args: AppArgs) -> tuple[tuple[str, float], ...]:
@@ -223,7 +242,7 @@ def _loras(refs: list[LoraRef], args: AppArgs) -> tuple[tuple[str, float], ...]:
 
 MAX_EDIT_IMAGE_BYTES = 20 * 1024 * 1024
 _FORM_INTS = ("n", "steps", "seed", "output_compression", "partial_images")
-_FORM_FLOATS = ("guidance", "timeout_s")
+_FORM_FLOATS = ("guidance", "timeout_s", "step_cache")
 _FORM_BOOLS = {"true": True, "false": False, "1": True, "0": False}
 
 

@@ -53,7 +53,7 @@ def _request(args: argparse.Namespace, quality: str) -> GenerationRequest:
     elif getattr(args, "mask", None):
         raise ValueError("--mask needs --image")
     return GenerationRequest(prompt=args.prompt, height=h, width=w, steps=args.steps, guidance=args.guidance,
-                             seed=args.seed, quality=quality, **edit)
+                             seed=args.seed, quality=quality, step_cache=getattr(args, "step_cache", None), **edit)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--image", help="edit this image (image-to-image; resized to --size by diffusers)")
     g.add_argument("--mask", help="inpaint: white where the image is repainted (needs --image)")
     g.add_argument("--strength", type=float, default=0.6, help="how far an edit may move from --image, (0, 1]")
+    g.add_argument("--step-cache", type=float, default=None,
+                   help="--quality high only: First-Block step cache threshold in [0, 1) (not bit-exact)")
     v = sub.add_parser("verify", help="reference vs lossless vs high, side by side")
     _common(v)
     v.add_argument("--json", action="store_true", help="print the comparison as JSON")

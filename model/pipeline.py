@@ -369,11 +369,13 @@ class FluxServePipeline:
         self.high_attention8 = "attention8" in HIGH_DEFAULTS
         return form
 
-    def plan(self, quality: Quality, compiled: bool | None = None, cuda_graphs: bool | None = None) -> TierPlan:
+    def plan(self, quality: Quality, compiled: bool | None = None, cuda_graphs: bool | None = None,
+             step_cache: float | None = None) -> TierPlan:
         """The tier plan of a batch of `quality` under this pipeline's settings. `compiled` (default: after
         `enable_compile`) applies to high batches only; `cuda_graphs` (default: after `enable_cuda_graphs`) to
-        either tier except a compiled high batch; `high_fast_norm` and `high_attention8` on CUDA fp16/bf16 only
-        (elsewhere the sites stay exact)."""
+        either tier except a compiled high batch or one with a step cache; `high_fast_norm` and `high_attention8` on
+        CUDA fp16/bf16 only (elsewhere the sites stay exact). `step_cache`: the batch's threshold (default:
+        `high_step_cache`; 0: every step computed)."""
         if compiled is None:
             compiled = self.compile_enabled
         if compiled and quality == "high" and self._compiled_runners is None:
@@ -389,7 +391,7 @@ class FluxServePipeline:
         return plan_tier(quality, fast_norm=self.high_fast_norm and half_cuda,
                          attention8=self.high_attention8 and half_cuda, compiled=compiled,
                          cuda_graphs=cuda_graphs, fp8=self.fp8, fused_projections=self.fused_projections,
-                         step_cache=self.high_step_cache)
+                         step_cache=(self.high_step_cache if step_cache is None else step_cache) or None)
 
     def generate(self, requests: list[GenerationRequest], progress: bool = False,
                  should_stop: Callable[[], bool] | None = None,
@@ -402,7 +404,7 @@ class FluxServePipeline:
         applied_tier). previews: partial images while it denoises (the results do not change)."""
         validate_batch(requests)
         quality = requests[0].quality
-        plan = self.plan(quality, compiled, cuda_graphs)
+        plan = self.plan(quality, compiled, cuda_graphs, step_cache=requests[0].step_cache)
         with self._lock:
             t0 = time.perf_counter()
             self._activate_loras(requests[0].loras)

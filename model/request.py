@@ -92,6 +92,9 @@ class GenerationRequest:
     image: bytes | None = field(default=None, repr=False)
     mask: bytes | None = field(default=None, repr=False)
     strength: float = 0.6
+    # First-Block step cache threshold for this image (quality "high" only; `step_cache_error` says what is valid):
+    # None takes the pool's setting, 0 computes every step.
+    step_cache: float | None = None
 
     @property
     def denoising_steps(self) -> int:
@@ -110,7 +113,16 @@ class GenerationRequest:
 
     def batch_key(self) -> tuple:
         """Only requests with equal keys may share one pipeline call (the adapter set and the edit included)."""
-        return (self.height, self.width, self.steps, self.guidance, self.quality, self.loras, self.edit_key())
+        return (self.height, self.width, self.steps, self.guidance, self.quality, self.loras, self.edit_key(),
+                self.step_cache)
+
+
+def step_cache_error(threshold: object) -> str | None:
+    """What is wrong with a First-Block step cache threshold (a pool's or a request's), or None: it must be a number
+    in [0, 1), the fraction by which the first block's residual may change before a step is computed again."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+        return f"must be a number in [0, 1), got {threshold!r}"
+    return None
 
 
 def validate_batch(requests: list[GenerationRequest]) -> None:
@@ -140,8 +152,15 @@ def validate_batch(requests: list[GenerationRequest]) -> None:
             raise ValueError("a mask needs an image")
         if r.image is not None and not (isinstance(r.strength, (int, float)) and 0 < r.strength <= 1):
             raise ValueError(f"strength must be in (0, 1], got {r.strength!r}")
+        if r.step_cache is not None:
+            error = step_cache_error(r.step_cache)
+            if error is not None:
+                raise ValueError(f"step_cache {error}")
+            if r.quality != "high":
+                raise ValueError(f"step_cache is for quality 'high' only (skipped steps are not bit-exact), got "
+                                 f"quality {r.quality!r}")
     first = requests[0].batch_key()
-    names = ("height", "width", "steps", "guidance", "quality", "loras", "image / mask / strength")
+    names = ("height", "width", "steps", "guidance", "quality", "loras", "image / mask / strength", "step_cache")
     for r in requests[1:]:
         for name, a, b in zip(names, first, r.batch_key()):
             if a != b:

@@ -711,6 +711,34 @@ def test_pipeline_step_cache_counts_skipped_steps(tiny_path: Path) -> None:
     assert "cached_steps" not in lossless.timings  # lossless never caches
 
 
+def test_a_requests_step_cache_overrides_the_pools(tiny_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`GenerationRequest.step_cache`: a threshold of its own for one batch (the same images as a pool with that
+    threshold), 0 for every step computed whatever the pool's, None for the pool's; lossless refuses it."""
+    from model.__main__ import main
+
+    pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+
+    def high(**kw: object) -> object:
+        return pipe.generate([GenerationRequest("a red fox", height=64, width=64, steps=6, seed=1, quality="high",
+                                                **kw)])[0]
+
+    plain = high()
+    asked = high(step_cache=0.9)  # the pool has no cache: the request's own
+    assert 1 <= asked.timings["cached_steps"] <= 5 and not torch.equal(asked.latents, plain.latents)
+    pipe.high_step_cache = 0.9
+    pooled = high()
+    assert torch.equal(pooled.latents, asked.latents) and pooled.png == asked.png
+    off = high(step_cache=0.0)  # the pool caches, this request computes every step
+    assert "cached_steps" not in off.timings and torch.equal(off.latents, plain.latents)
+    with pytest.raises(ValueError, match="step_cache is for quality 'high' only"):
+        pipe.generate([GenerationRequest("a red fox", height=64, width=64, steps=2, step_cache=0.1)])
+    with pytest.raises(ValueError, match=r"step_cache must be a number in \[0, 1\)"):
+        high(step_cache=1.0)
+    # the CLI takes it too, and refuses it for lossless before loading anything
+    assert main(["generate", "--model", str(tiny_path), "--step-cache", "0.1", "--out", "/nonexistent/x.png"]) == 2
+    assert "step_cache is for quality 'high' only" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("raw, message", [
     ({"pools": {"lossless": {"step_cache_threshold": 0.1}}}, "high pool only"),
     ({"pools": {"high": {"step_cache_threshold": 1.5}}}, r"\[0, 1\)"),

@@ -58,6 +58,14 @@ BOUNDS = [
     ("timeout_s", {"timeout_s": 1e-6}, {"timeout_s": -1}, "timeout_s must be > 0 and <= 30, got"),
     ("quality", {"quality": "high"}, {"quality": "High"}, "unknown quality 'High'"),
     ("model", {"model": MODEL}, {"model": "dall-e-3"}, "unknown model 'dall-e-3'; this server serves 'tiny'"),
+    ("step_cache", {"step_cache": 0.999, "quality": "high"}, {"step_cache": 1, "quality": "high"},
+     "step_cache must be a number in [0, 1), got 1"),
+    ("step_cache", {"step_cache": 0, "quality": "high"}, {"step_cache": -1e-9, "quality": "high"},
+     "step_cache must be a number in [0, 1)"),
+    ("step_cache", {"step_cache": 0.1, "quality": "high"}, {"step_cache": 0.1, "quality": "lossless"},
+     "step_cache: the step cache is for the high pool only"),
+    ("step_cache", {"step_cache": 0.1, "quality": "high"}, {"step_cache": 0.1},  # the default tier: lossless
+     "(this request asks for quality 'lossless')"),
 ]
 
 
@@ -79,6 +87,23 @@ def test_accepted_values_reach_the_jobs() -> None:
     assert {(j.height, j.width, j.steps, j.guidance, j.quality) for j in v.jobs} == {(512, 1024, 50, 12.0, "high")}
     assert isinstance(v.jobs[0].guidance, float)
     assert v.size == "1024x512" and v.timeout_s == 7.0
+
+
+def test_a_request_step_cache_reaches_its_jobs_and_splits_batches() -> None:
+    from model.request import validate_batch
+
+    cached = _validate(n=2, quality="high", step_cache=0.25).jobs
+    assert [j.step_cache for j in cached] == [0.25, 0.25] and isinstance(cached[0].step_cache, float)
+    plain = _validate(quality="high").jobs[0]
+    assert plain.step_cache is None  # the pool's setting
+    assert cached[0].batch_key() != plain.batch_key()
+    with pytest.raises(ValueError, match="all requests of a batch must share step_cache"):
+        validate_batch([cached[0], plain])
+    tp2 = AppArgs.parse({"pools": {"high": {"tp": 2}}})
+    with pytest.raises(BadRequest) as exc:
+        _validate(tp2, quality="high", step_cache=0.1)
+    assert exc.value.param == "step_cache" and "not supported with tp > 1 yet (pool high has tp=2)" in exc.value.message
+    assert _validate(tp2, quality="high").jobs[0].step_cache is None  # without the field a tp 2 pool serves it
 
 
 def test_defaults_come_from_the_config() -> None:
@@ -115,7 +140,7 @@ def test_default_size_outside_the_limits_is_a_config_error() -> None:
 @pytest.mark.parametrize("body,field", [
     ({"prompt": 5}, "prompt"), ({"n": "2"}, "n"), ({"steps": 4.5}, "steps"), ({"seed": "1"}, "seed"),
     ({"guidance": "3"}, "guidance"), ({"size": [256, 256]}, "size"), ({"response_format": "link"}, "response_format"),
-    ({"colour": "red"}, "colour"),
+    ({"colour": "red"}, "colour"), ({"step_cache": "0.1"}, "step_cache"), ({"step_cache": True}, "step_cache"),
 ])
 def test_the_http_model_is_strict_about_types(body: dict, field: str) -> None:
     from pydantic import ValidationError

@@ -388,6 +388,9 @@ BAD = [
     ({"prompt": "x", "size": [256, 256]}, "size", "size: Input should be a valid string"),
     ({"prompt": "x", "response_format": "link"}, "response_format", "response_format: Input should be"),
     ({"prompt": "x", "colour": "red"}, "colour", "unknown field 'colour'"),
+    ({"prompt": "x", "step_cache": 0.1}, "step_cache", "the step cache is for the high pool only"),
+    ({"prompt": "x", "quality": "high", "step_cache": 0.1}, "step_cache", "not supported with tp > 1 yet"),
+    ({"prompt": "x", "quality": "high", "step_cache": 1.5}, "step_cache", "step_cache must be a number in [0, 1)"),
     ({"n": 1}, "prompt", "missing required field 'prompt'"),
     (["prompt"], None, "request body must be a JSON object"),
 ]
@@ -827,6 +830,32 @@ def test_a_request_picks_a_lora_by_name_byte_identical_to_stock_diffusers(lora_a
     with pytest.raises(openai.BadRequestError) as exc:
         client.images.generate(prompt="a red fox", size="64x64", extra_body={"lora": [{"name": "oil"}]})
     assert exc.value.status_code == 400 and "unknown LoRA adapter 'oil'; this server serves ['ink']" in str(exc.value)
+
+
+def test_a_request_sets_its_own_step_cache_on_a_tp1_high_pool(serve_app: dict, tiny_path: Path) -> None:
+    """The `step_cache` extension field through the openai client: the high pool (tp 1, no cache of its own) skips
+    steps for that request only, with the bytes of the pipeline converted as the pool converts it; 0 computes
+    every step."""
+    openai = pytest.importorskip("openai")
+    import torch
+
+    from model.loading import load_pipeline
+    from model.pipeline import GenerationRequest
+
+    body = {"seed": 4, "steps": 6, "quality": "high"}
+    with _side_app(serve_app, "cache") as app:
+        client = openai.OpenAI(base_url=app["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+        cached = client.images.generate(prompt="a red fox", size="64x64", extra_body={**body, "step_cache": 0.9})
+        zero = client.images.generate(prompt="a red fox", size="64x64", extra_body={**body, "step_cache": 0})
+        plain = client.images.generate(prompt="a red fox", size="64x64", extra_body=body)
+    assert 1 <= cached.model_extra["timings"]["cached_steps"] <= 5
+    assert "cached_steps" not in zero.model_extra["timings"] and "cached_steps" not in plain.model_extra["timings"]
+    assert zero.data[0].b64_json == plain.data[0].b64_json != cached.data[0].b64_json
+    pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    pipe.convert_for_high(fused_projections=True)  # the high pool's form (fp8 is refused on the CPU)
+    direct = _direct(pipe, GenerationRequest("a red fox", height=64, width=64, steps=6, seed=4, quality="high",
+                                             step_cache=0.9))
+    assert base64.b64decode(cached.data[0].b64_json) == direct
 
 
 def test_edits_through_the_openai_client_equal_the_pipeline(serve_app: dict) -> None:
