@@ -146,10 +146,8 @@ class AppArgs:
     # and the high pool converts (fp8 / fused projections) as without adapters.
     fuse_lora: bool = False
     limits: Limits = field(default_factory=Limits)
-    pools: dict[str, PoolArgs] = field(
-        default_factory=lambda: {"lossless": PoolArgs(batch_invariant=True),
-                                 "high": PoolArgs(fused_projections=True, fp8=True, fast_norm=True)}
-    )
+    # The pools' defaults are applied in one place, `parse` (HIGH_DEFAULTS where each pool's settings admit them).
+    pools: dict[str, PoolArgs] = field(default_factory=lambda: AppArgs.parse({}).pools)
 
     @staticmethod
     def parse(raw: dict[str, Any] | None) -> "AppArgs":

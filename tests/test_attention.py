@@ -228,6 +228,7 @@ def test_attention8_is_on_by_default_for_the_high_pool_where_it_was_measured() -
     assert not pools({"compile": True})["high"].attention8  # it does not run compiled
     assert not pools({"tp": 2})["high"].attention8  # not measured sharded: asked for, it runs
     assert pools({"tp": 2, "attention8": True})["high"].attention8
+    assert AppArgs().pools == AppArgs.parse({}).pools  # built without parse, the same defaults (one home)
 
 
 # ---------------------------------------------------------------------------------------------------------------
