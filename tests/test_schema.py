@@ -258,6 +258,19 @@ def test_edit_form_stream_fields() -> None:
         validate_edit({"prompt": "a", "stream": "maybe"}, files, ARGS, MODEL)
 
 
+def test_edit_form_step_cache() -> None:
+    from deployments.schema import validate_edit
+    from tests._inputs import random_png
+
+    files = {"image": random_png(1)}
+    (job,) = validate_edit({"prompt": "a", "quality": "high", "step_cache": "0.2"}, files, ARGS, MODEL).jobs
+    assert job.step_cache == 0.2 and job.image == files["image"]
+    with pytest.raises(BadRequest, match="step_cache must be a number, got 'some'"):
+        validate_edit({"prompt": "a", "quality": "high", "step_cache": "some"}, files, ARGS, MODEL)
+    with pytest.raises(BadRequest, match="the step cache is for the high pool only"):
+        validate_edit({"prompt": "a", "step_cache": "0.2"}, files, ARGS, MODEL)
+
+
 def test_file_store_expires_and_evicts_the_oldest() -> None:
     from deployments.files import FileStore
 
