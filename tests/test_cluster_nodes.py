@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests._ports import free_port
+
 requests = pytest.importorskip("requests")
 pytest.importorskip("ray.serve")
 
@@ -37,11 +38,6 @@ REPO = Path(__file__).resolve().parents[1]
 SLOW = "slow request in flight when its node dies"
 STEP_DELAY_S = 0.4
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ray_bin(name: str) -> str:
@@ -87,7 +83,7 @@ def two_nodes(tiny_path: Path, fluxserve_cache: Path):
            "RAY_health_check_initial_delay_ms": "1000",
            "FLUXSERVE_FAULTS": json.dumps({SLOW: {"step_delay_s": STEP_DELAY_S}})}
     env.pop("RAY_ADDRESS", None)
-    gcs, dashboard, http = _free_port(), _free_port(), _free_port()
+    gcs, dashboard, http = free_port(), free_port(), free_port()
     head = _start_node(["--head", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=3",
                         "--resources", json.dumps({"head_node": 10, "lossless_slot": 1}), "--include-dashboard=true",
                         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}"], env, root / "head.log")

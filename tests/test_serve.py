@@ -20,7 +20,6 @@ import os
 import threading
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests._ports import free_port
 
 requests = pytest.importorskip("requests")
 httpx = pytest.importorskip("httpx")
@@ -62,11 +63,6 @@ def _ray_env(tmp_root: str) -> dict[str, str]:
                                         OOM: {"oom_at_step": 0}}),
     }
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _md5(b: bytes) -> str:
@@ -107,7 +103,7 @@ def test_serve_run_config_smoke(fluxserve_cache: Path, tiny_path: Path) -> None:
         env.pop("RAY_ADDRESS", None)
         # The shipped config, unchanged but for its HTTP port: a free one, so nothing else on the machine matters.
         config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
-        http_port = _free_port()
+        http_port = free_port()
         config["http_options"]["port"] = http_port
         config_path = Path(rt, "serve_config.yaml")
         config_path.write_text(yaml.safe_dump(config))
@@ -168,9 +164,9 @@ def serve_app(tiny_path: Path, tiny_pipe: Any):
     from deployments.app import build_app_with_options
 
     # Logical CPUs: ingress + 2 lossless replicas + high pool (TP ranks) + slack; 2 physical cores.
-    metrics_port = _free_port()
+    metrics_port = free_port()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "model": str(tiny_path),

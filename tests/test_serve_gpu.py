@@ -13,11 +13,12 @@ import base64
 import io
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests._ports import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.serve]
 
@@ -28,11 +29,6 @@ DEV_WIDTH_SMALL = dict(patch_size=1, in_channels=64, num_layers=1, num_single_la
                        num_attention_heads=24, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
                        axes_dims_rope=(16, 56, 56))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +60,7 @@ def gpu_app(dev_width_folder: Path):
     rt = tempfile.mkdtemp(prefix="rt", dir="/tmp")
     os.environ.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": rt})
     ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, log_to_driver=True)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "model": str(dev_width_folder), "dtype": "bfloat16", "device": "cuda", "default_size": f"{SIZE}x{SIZE}",
