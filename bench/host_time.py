@@ -28,7 +28,6 @@ import importlib
 import json
 import platform
 import shlex
-import statistics
 import sys
 import time
 import warnings
@@ -41,8 +40,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.e2e import _sync, timed  # noqa: E402
-from bench.high import VARIANTS, build_variants, lossless_step_fn, step_fn, step_inputs  # noqa: E402
+from bench.e2e import _sync  # noqa: E402
+from bench.high import VARIANTS, build_variants, lossless_step_fn, step_fn, step_inputs, time_steps  # noqa: E402
 from model.loading import diffusers_reference, load_pipeline  # noqa: E402
 
 EAGER_HIGH = "high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum"
@@ -129,11 +128,16 @@ def sync_sites(fn: Callable[[], Any]) -> list[str]:
 
 
 def wall_ms(fn: Callable[[], Any], steps: int, warmup: int, repeats: int) -> float:
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn()
-        _sync()
-        return statistics.median(timed(fn)[0] * 1000 / steps for _ in range(repeats))
+    """Median synchronized wall time per step of `fn` (running `steps` steps), by bench/high.py's timer."""
+    return time_steps({"fn": fn}, warmup, repeats)["fn"]["median_ms"] / steps
+
+
+def gpu_profile(fn: Callable[[], Any]) -> dict[str, float]:
+    """Kernel time, idle gaps and kernels of one step of `fn` (one step per call): the mean of three profiled."""
+    from bench.step_timeline import timeline
+
+    per_step = timeline(fn, steps=3)["steps"]
+    return {k: sum(s[k] for s in per_step) / len(per_step) for k in ("busy_ms", "gap_ms", "kernels")}
 
 
 def measure(name: str, fns: dict[str, Callable[[], Any]], steps: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -142,13 +146,7 @@ def measure(name: str, fns: dict[str, Callable[[], Any]], steps: int, args: argp
     cuda = torch.cuda.is_available()
     row: dict[str, Any] = {"step_ms": wall_ms(fns["full"], steps, args.warmup, args.repeats)}
     if cuda:
-        from bench.step_timeline import timeline
-
-        def profiled(fn: Callable[[], Any]) -> dict[str, float]:  # the mean of three profiled steps
-            per_step = timeline(fn, steps=3)["steps"]
-            return {k: sum(s[k] for s in per_step) / len(per_step) for k in ("busy_ms", "gap_ms", "kernels")}
-
-        full = profiled(fns["full1"])
+        full = gpu_profile(fns["full1"])
         row.update(gpu_busy_ms=full["busy_ms"], gpu_gaps_ms=full["gap_ms"], kernels=full["kernels"],
                    runtime_calls=runtime_calls(fns["full"], steps), sync_sites=sync_sites(fns["full"]))
     try:
@@ -158,7 +156,7 @@ def measure(name: str, fns: dict[str, Callable[[], Any]], steps: int, args: argp
             _sync()
         row["functions"] = {k: {"calls": c / steps, "ms": s * 1000 / steps} for k, (c, s) in totals.items() if c}
         if cuda:
-            row["small_gpu_busy_ms"] = profiled(fns["small1"])["busy_ms"]
+            row["small_gpu_busy_ms"] = gpu_profile(fns["small1"])["busy_ms"]
     except Exception as exc:  # noqa: BLE001 - the full-size figures stand without it
         row["host_error"] = f"{type(exc).__name__}: {exc}"
     if cuda and "host_ms" in row:
@@ -246,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     built, errors = build_variants(ours, chosen)
     by_name = {v.name: v for v in chosen}
     text_tokens = min(512, ours.pipe.tokenizer_2.model_max_length)
+    host_text_tokens = min(args.host_text_tokens, text_tokens)
     sizes = {"full": step_inputs(ours, args.batch, args.size, text_tokens),
-             "small": step_inputs(ours, args.batch, args.host_size, min(args.host_text_tokens, text_tokens))}
+             "small": step_inputs(ours, args.batch, args.host_size, host_text_tokens)}
     n = args.steps_per_call
     reference = diffusers_reference(ours) if "diffusers" in args.only else None
     rows: dict[str, Any] = {name: {"error": errors[name]} for name in args.only if name in errors}
@@ -270,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name}: {rows[name]['error']}", flush=True)
     result = {
         "model": args.model, "size": args.size, "host_size": args.host_size,
-        "host_text_tokens": min(args.host_text_tokens, text_tokens), "batch": args.batch, "steps_per_call": n,
+        "host_text_tokens": host_text_tokens, "batch": args.batch, "steps_per_call": n,
         "repeats": args.repeats, "warmup": args.warmup, "torch": torch.__version__,
         "python": platform.python_version(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
