@@ -86,7 +86,8 @@ class PoolArgs:
     # size 128; kernels.attention.cudnn_fp8_refusal), else the Triton int8 Q K^T / fp8 P V kernel (CUDA fp16/bf16,
     # head size 32, 64 or 128), else SDPA. Not bit-exact: speed and PSNR/SSIM in bench/results/high-h200.md.
     # On by default for the high pool with cuda_graphs (tp 1, not compiled: AppArgs.parse; it does not run
-    # compiled); the lossless pool refuses it.
+    # compiled); there a request's step cache runs eager, and without attention8 (model.tiers.plan_tier). The
+    # lossless pool refuses it.
     attention8: bool = False
     # Either pool (tp == 1, device cuda): replay each transformer step from a CUDA graph, captured on the first
     # request of each batch size / resolution (removes the host launch gaps; bit-identical, so lossless stays

@@ -177,6 +177,24 @@ def test_the_lossless_plan_refuses_attention8_and_the_high_plan_takes_it() -> No
     assert plan_tier("high", attention8=True) == TierPlan("high", mount_gelu=True, attention8=True)
 
 
+def test_a_step_cache_batch_leaves_graphs_and_attention8_together(tiny_path: Path, monkeypatch) -> None:
+    """A graphed pool took attention8 on the graphs' account; a step-cache batch there runs eager, and eager 8-bit
+    attention costs more host time than it saves (bench/results/host-time-h100.md): the batch takes SDPA. A pool
+    without graphs keeps the attention8 it asked for, cache or not."""
+    cached = plan_tier("high", attention8=True, cuda_graphs=True, step_cache=0.1)
+    assert (cached.attention8, cached.cuda_graphs, cached.step_cache) == (False, False, 0.1)
+    assert plan_tier("high", attention8=True, cuda_graphs=True).attention8
+    assert plan_tier("high", attention8=True, step_cache=0.1).attention8
+    pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    monkeypatch.setattr(type(pipe), "_cuda_half", lambda self: True)
+    pipe.high_attention8 = True
+    pipe.enable_cuda_graphs()
+    assert pipe.plan("high").attention8 and pipe.plan("high").cuda_graphs
+    assert not pipe.plan("high", step_cache=0.2).attention8
+    assert pipe.plan("high", step_cache=0).attention8  # 0: every step computed, so no cache and graphs stay
+    assert pipe.plan("high", cuda_graphs=False, step_cache=0.2).attention8
+
+
 def test_applied_tier_switches_every_attention_and_restores_sdpa_even_on_error() -> None:
     model = FluxTransformer(in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=32,
                             num_attention_heads=4, joint_attention_dim=48, pooled_projection_dim=24,
