@@ -11,7 +11,9 @@ Per variant (bench/high.py's names; `lossless` is ours under its plan, `diffuser
   token count. Its own `gpu_busy_ms` is reported to show that the GPU is idle there.
 - the CUDA runtime and driver calls of a step at `--size` by host time (a synchronizing call shows here), the
   synchronizing calls torch reports (`torch.cuda.set_sync_debug_mode`), and the host time of the functions a step
-  spends it in at `--host-size` (inclusive, per call and per step; the wrapper adds well under a microsecond).
+  spends it in at `--host-size` (inclusive, per call and per step; the wrapper adds well under a microsecond);
+  the same at `--size` on CUDA, host time where the step has GPU gaps (where the host runs ahead of the GPU, a
+  launch may also wait for room in the stream's queue).
 
 A spin kernel cannot stand in for the small size: a stream holds about a thousand pending launches, and a step has
 more. Random weights (flux-dev-random): timing only.
@@ -127,6 +129,15 @@ def sync_sites(fn: Callable[[], Any]) -> list[str]:
                    if "synchroniz" in str(w.message)})
 
 
+def function_times(fn: Callable[[], Any], steps: int) -> dict[str, dict[str, float]]:
+    """Wall time inside each of HOST_FUNCTIONS during one run of `fn` (`steps` steps): {label: {calls, ms}} per step.
+    Host time where the GPU waits for the host; where the host runs ahead, a launch may also wait for queue room."""
+    with host_timers(HOST_FUNCTIONS) as totals, torch.no_grad():
+        fn()
+        _sync()
+    return {k: {"calls": c / steps, "ms": s * 1000 / steps} for k, (c, s) in totals.items() if c}
+
+
 def wall_ms(fn: Callable[[], Any], steps: int, warmup: int, repeats: int) -> float:
     """Median synchronized wall time per step of `fn` (running `steps` steps), by bench/high.py's timer."""
     return time_steps({"fn": fn}, warmup, repeats)["fn"]["median_ms"] / steps
@@ -148,13 +159,11 @@ def measure(name: str, fns: dict[str, Callable[[], Any]], steps: int, args: argp
     if cuda:
         full = gpu_profile(fns["full1"])
         row.update(gpu_busy_ms=full["busy_ms"], gpu_gaps_ms=full["gap_ms"], kernels=full["kernels"],
-                   runtime_calls=runtime_calls(fns["full"], steps), sync_sites=sync_sites(fns["full"]))
+                   runtime_calls=runtime_calls(fns["full"], steps), sync_sites=sync_sites(fns["full"]),
+                   functions_full=function_times(fns["full"], steps))
     try:
         row["host_ms"] = wall_ms(fns["small"], steps, args.warmup, args.repeats)
-        with host_timers(HOST_FUNCTIONS) as totals, torch.no_grad():
-            fns["small"]()
-            _sync()
-        row["functions"] = {k: {"calls": c / steps, "ms": s * 1000 / steps} for k, (c, s) in totals.items() if c}
+        row["functions"] = function_times(fns["small"], steps)
         if cuda:
             row["small_gpu_busy_ms"] = gpu_profile(fns["small1"])["busy_ms"]
     except Exception as exc:  # noqa: BLE001 - the full-size figures stand without it
@@ -197,12 +206,15 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
     for name, row in r["variants"].items():
         if "error" in row:
             continue
-        if row.get("functions"):
-            lines += ["", f"Host time by function at the host size, `{name}` (inclusive; indented rows are parts of "
-                      "the cuDNN fp8 attention path):", "",
+        for key, where in (("functions", "the host size"), ("functions_full", f"{r['size']}x{r['size']}")):
+            if not row.get(key):
+                continue
+            lines += ["", f"Time by function at {where}, `{name}` (inclusive; indented rows are parts of the cuDNN fp8 "
+                      "attention path" + ("; host time where the step has GPU gaps, else launches also wait for queue "
+                                          "room" if key == "functions_full" else "") + "):", "",
                       "| function | calls / step | us / call | ms / step |", "|---|---|---|---|"]
-            for label in sorted(row["functions"], key=order.index):
-                t = row["functions"][label]
+            for label in sorted(row[key], key=order.index):
+                t = row[key][label]
                 lines.append(f"| {label} | {t['calls']:.0f} | {1000 * t['ms'] / t['calls']:.1f} | {t['ms']:.2f} |")
         if row.get("runtime_calls"):
             lines += ["", f"CUDA runtime / driver calls per step at {r['size']}x{r['size']}, `{name}`: " + ", ".join(
