@@ -39,7 +39,6 @@ SLOW = "slow request in flight when its node dies"
 STEP_DELAY_S = 0.4
 
 
-
 def _ray_bin(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 

@@ -64,7 +64,6 @@ def _ray_env(tmp_root: str) -> dict[str, str]:
     }
 
 
-
 def _md5(b: bytes) -> str:
     return hashlib.md5(b).hexdigest()
 

@@ -30,7 +30,6 @@ DEV_WIDTH_SMALL = dict(patch_size=1, in_channels=64, num_layers=1, num_single_la
                        axes_dims_rope=(16, 56, 56))
 
 
-
 @pytest.fixture(scope="module")
 def dev_width_folder(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
