@@ -51,11 +51,7 @@ def measure(S: int, H: int, D: int, n: int) -> dict[str, float]:
     r["call_wall_us"] = (time.perf_counter() - t) / n * 1e6
     o8, amax = torch.empty_like(q8), torch.empty(2, device=dev)
     ws = torch.empty(g.workspace_bytes, dtype=torch.uint8, device=dev)
-    one = (1, 1, 1, 1)
-    pack = {g.q: q8, g.k: k8, g.v: v8, g.o: o8, g.scalars[0]: dq.view(one), g.scalars[1]: dk.view(one),
-            g.scalars[2]: vs[0:1].view(one), g.scalars[3]: g.p_scales[0:1].view(one),
-            g.scalars[4]: g.p_scales[1:2].view(one), g.scalars[5]: vs[1:2].view(one),
-            g.amax_s: amax[0:1].view(one), g.amax_o: amax[1:2].view(one)}
+    pack = g.variant_pack(q8, k8, v8, dq, dk, vs, o8, amax)
     torch.cuda.synchronize()
     r["execute_host_us"] = per_call_us(lambda: g.graph.execute(pack, ws, handle=g.handle), n)
     torch.cuda.synchronize()

@@ -195,6 +195,18 @@ class _CudnnFp8Graph:
         # P = softmax in [0, 1] goes to fp8 scaled by 448 (e4m3's largest value), as the Triton kernel does.
         self.p_scales = torch.tensor([1.0 / FP8_MAX, FP8_MAX], dtype=torch.float32, device=device)
 
+    def variant_pack(self, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
+                     descale_k: torch.Tensor, v_scales: torch.Tensor, o8: torch.Tensor,
+                     amax: torch.Tensor) -> dict[Any, torch.Tensor]:
+        """The graph's tensors -> their buffers for one execute: v_scales is (v's scale, the output's scale), amax
+        takes cuDNN's two reported maxima."""
+        one = (1, 1, 1, 1)
+        return {self.q: q8, self.k: k8, self.v: v8, self.o: o8,
+                self.scalars[0]: descale_q.view(one), self.scalars[1]: descale_k.view(one),
+                self.scalars[2]: v_scales[0:1].view(one), self.scalars[3]: self.p_scales[0:1].view(one),
+                self.scalars[4]: self.p_scales[1:2].view(one), self.scalars[5]: v_scales[1:2].view(one),
+                self.amax_s: amax[0:1].view(one), self.amax_o: amax[1:2].view(one)}
+
     def __call__(self, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
                  descale_k: torch.Tensor, v_scales: torch.Tensor) -> torch.Tensor:
         import cudnn
@@ -203,12 +215,7 @@ class _CudnnFp8Graph:
         amax = torch.empty(2, dtype=torch.float32, device=q8.device)  # cuDNN reports amax of P and O: unused
         # a workspace per call from torch's stream-ordered allocator (safe with CUDA graphs and several streams)
         workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=q8.device)
-        one = (1, 1, 1, 1)
-        pack = {self.q: q8, self.k: k8, self.v: v8, self.o: o8,
-                self.scalars[0]: descale_q.view(one), self.scalars[1]: descale_k.view(one),
-                self.scalars[2]: v_scales[0:1].view(one), self.scalars[3]: self.p_scales[0:1].view(one),
-                self.scalars[4]: self.p_scales[1:2].view(one), self.scalars[5]: v_scales[1:2].view(one),
-                self.amax_s: amax[0:1].view(one), self.amax_o: amax[1:2].view(one)}
+        pack = self.variant_pack(q8, k8, v8, descale_q, descale_k, v_scales, o8, amax)
         with _cudnn_lock:  # one handle per device: its stream is set per call
             cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(q8.device).cuda_stream)
             self.graph.execute(pack, workspace, handle=self.handle)
