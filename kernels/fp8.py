@@ -39,6 +39,10 @@ LN_PRODUCER = switches.register(
 # (bench/results/fp8-gemm-h200.md, high-h200-session11.md); the switch stays for benchmarks and tests.
 FAST_ACCUM = switches.register(
     "fp8_fast_accum", True, "fp8 GEMMs accumulate in the tensor cores' own precision (no periodic fp32 promotion)")
+# cuBLAS has no fast-accumulation row-scaled algorithm for a few rows at FLUX's long reductions (K = 12288, 15360:
+# M <= 42 refused on an H100, bench/results/fp8-rows-h100-before.json), which a 64x64 image's 16 tokens hit; the promoting
+# one takes every M, and so few rows cost a weight read either way.
+FAST_ACCUM_MIN_ROWS = 64
 # Layers fed at most this many rows (the AdaLN modulation: one row per image) skip the activation quantization and
 # read their fp8 weight in a weight-only GEMV: the GEMM there is a weight read, and bf16 weights are twice the bytes.
 WEIGHT_ONLY_ROWS = 16
@@ -223,14 +227,15 @@ class Fp8Linear(nn.Module):
         return self.weight.float() * self.weight_scale.t()
 
     def matmul(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """fp8 [M, K] with fp32 scale [M, 1] -> bf16 [M, N]."""
+        """fp8 [M, K] with fp32 scale [M, 1] -> bf16 [M, N] (fast accumulation from `FAST_ACCUM_MIN_ROWS` rows)."""
         if q.device.type != "cuda":
             out = (q.float() * scale) @ self.dequantized_weight().t()
             if self.bias is not None:
                 out = out + self.bias.float()
             return out.to(torch.bfloat16)
+        fast = FAST_ACCUM.value and q.shape[0] >= FAST_ACCUM_MIN_ROWS
         return torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, bias=self.bias,
-                                out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM.value)
+                                out_dtype=torch.bfloat16, use_fast_accum=fast)
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if isinstance(x, Fp8Rows):  # quantized by the pass that produced it

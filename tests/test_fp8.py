@@ -554,6 +554,22 @@ def test_gpu_fp8_gemm_accumulation_at_the_longest_flux_reduction(fast_accum: boo
 
 @pytest.mark.gpu
 @_needs_fp8
+@pytest.mark.parametrize("K", [12288, 15360])
+@pytest.mark.parametrize("rows", [1, 16, 42, 64])
+def test_gpu_fp8_gemm_takes_the_few_rows_of_the_smallest_images(K: int, rows: int) -> None:
+    """A 64x64 image is 16 tokens: the FF down-projection (K = 12288) and the single block's proj_out (K = 15360)
+    must run on so few rows with fast accumulation switched on (cuBLAS refused them before FAST_ACCUM_MIN_ROWS)."""
+    torch.manual_seed(0)
+    layer = fp8.Fp8Linear.from_linears([nn.Linear(K, 3072, device="cuda", dtype=torch.bfloat16)])
+    q, s = fp8.quantize_rows(torch.randn(rows, K, device="cuda", dtype=torch.bfloat16))
+    ref = (q.float() * s) @ layer.dequantized_weight().t() + layer.bias.float()
+    with kernels.switches.override(fp8_fast_accum=True):
+        y = layer.matmul(q, s)
+    assert _rel(y, ref) < 5e-3, _rel(y, ref)
+
+
+@pytest.mark.gpu
+@_needs_fp8
 @pytest.mark.parametrize("rows", [1, 2, 16])
 def test_gpu_weight_only_layer_against_its_eager_twin(rows: int) -> None:
     """The AdaLN modulation's shape (3072 -> 18432), bf16 rows against the fp8 weight."""
@@ -579,8 +595,10 @@ def _flux_dev_width(side: int) -> tuple[FluxTransformer, dict]:
 
 @pytest.mark.gpu
 @_needs_fp8
-def test_gpu_flux_dev_width_blocks_in_fp8_stay_close_to_bf16() -> None:
-    m, inputs = _flux_dev_width(64)
+@pytest.mark.parametrize("side", [64, 4])
+def test_gpu_flux_dev_width_blocks_in_fp8_stay_close_to_bf16(side: int) -> None:
+    """Side 4: a 64x64 image's 16 tokens, the fewest rows a request can bring to the image-only GEMMs."""
+    m, inputs = _flux_dev_width(side)
     import copy
 
     with torch.no_grad():
