@@ -57,12 +57,15 @@ def sdpa_backend(batch: int, heads: int, tokens: int, head_dim: int, dtype: torc
 
 
 def pipeline_copy(ours: FluxServePipeline) -> FluxServePipeline:
-    """A pipeline over a deep copy of ours' transformer (text encoders and VAE shared, a scheduler of its own), to
-    convert the way a high replica converts at start; it then serves high only."""
+    """A pipeline over a copy of ours' transformer (text encoders and VAE shared, a scheduler of its own), to convert
+    the way a high replica converts at start; it then serves high only. The copy's modules are new but hold ours'
+    weight tensors, which the conversion replaces rather than changes: only the converted layers take new memory
+    (three full-size bf16 transformers do not fit an 80 GB card)."""
     from diffusers import FluxPipeline
 
+    t = ours.transformer
     components = dict(ours.pipe.components)
-    components["transformer"] = copy.deepcopy(ours.transformer)
+    components["transformer"] = copy.deepcopy(t, memo={id(w): w for w in (*t.parameters(), *t.buffers())})
     components["scheduler"] = type(ours.pipe.scheduler).from_config(ours.pipe.scheduler.config)
     return FluxServePipeline(FluxPipeline(**components), source=ours.source)
 

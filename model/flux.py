@@ -642,16 +642,19 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         if reason is not None:
             raise ValueError(reason)
         kept: dict[str, str] = {}
-        for name, layer in list(self.named_modules()):
+        # By name, so that each replaced bf16 layer is freed as soon as its fp8 form is in: the conversion's peak is
+        # the model plus one layer, not the bf16 and fp8 models together.
+        for name in [n for n, m in self.named_modules() if "_blocks." in n and isinstance(m, nn.Linear)]:
             parent_name, _, attr = name.rpartition(".")
             is_adaln = parent_name.rpartition(".")[2] in ("norm", "norm1", "norm1_context")
-            if "_blocks." not in name or not isinstance(layer, nn.Linear) or (is_adaln and not adaln):
+            if is_adaln and not adaln:
                 continue
-            why = convertible(layer)
+            parent = self.get_submodule(parent_name)
+            why = convertible(getattr(parent, attr))
             if why is not None:
                 kept[name] = why
             else:
-                setattr(self.get_submodule(parent_name), attr, Fp8Linear.from_linears([layer], weight_only=is_adaln))
+                setattr(parent, attr, Fp8Linear.from_linears([getattr(parent, attr)], weight_only=is_adaln))
         self._quantize_at_norms()
         return kept
 
