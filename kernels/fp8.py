@@ -40,7 +40,7 @@ LN_PRODUCER = switches.register(
 FAST_ACCUM = switches.register(
     "fp8_fast_accum", True, "fp8 GEMMs accumulate in the tensor cores' own precision (no periodic fp32 promotion)")
 # cuBLAS has no fast-accumulation row-scaled algorithm for a few rows at FLUX's long reductions (K = 12288, 15360:
-# M <= 42 refused on an H100, bench/results/fp8-rows-h100-before.json), which a 64x64 image's 16 tokens hit; the promoting
+# M <= 42 refused on an H100, bench/results/fp8-rows-h100.md), which a 64x64 image's 16 tokens hit; the promoting
 # one takes every M, and so few rows cost a weight read either way.
 FAST_ACCUM_MIN_ROWS = 64
 # Layers fed at most this many rows (the AdaLN modulation: one row per image) skip the activation quantization and
