@@ -1,6 +1,8 @@
-"""Which row counts M the fp8 GEMM (`kernels.fp8.Fp8Linear.matmul`: `torch._scaled_mm`, row-wise scales, bias,
-bf16 out) accepts at the FLUX.1 linear shapes, with fast accumulation on and off; and whether a `high` request at
-the smallest sizes the server admits runs on a converted pipeline.
+"""Which row counts M cuBLAS accepts for the fp8 GEMM (`torch._scaled_mm` as `kernels.fp8.scaled_mm` calls it:
+row-wise scales, bias, bf16 out) at the FLUX.1 linear shapes, with fast accumulation on and off; and whether a
+`high` request at the smallest sizes the server admits runs on a converted pipeline, with the fallbacks
+(`kernels.fp8.REFUSED`) it took. `kernels.fp8.FAST_ACCUM_MIN_ROWS` should cover every fast-accumulation refusal
+found here, so that no request pays for a refusal.
 
 A request's rows are its image tokens (h/16 * w/16 per image) or text tokens: a 64x64 image has 16, so the GEMM must
 take every M the request limits allow, not only the 1024x1024 ones the benches time. Per (K, N) it lists the M
@@ -22,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import fp8, switches  # noqa: E402
+from kernels import fp8  # noqa: E402
 
 # (K, N) of the FLUX.1-dev linears: x_embedder, context_embedder, q/k/v, fused q/k/v, FF up, FF down, the single
 # block's fused q/k/v + MLP up, its proj_out, the final proj_out.
@@ -36,8 +38,9 @@ def gemm(M: int, K: int, N: int, fast: bool) -> None:
     lin = torch.nn.Linear(K, N, device=dev, dtype=torch.bfloat16)
     layer = fp8.Fp8Linear.from_linears([lin])
     q, s = fp8.quantize_rows(torch.randn(M, K, device=dev, dtype=torch.bfloat16))
-    with switches.override(fp8_fast_accum=fast):
-        layer.matmul(q, s)
+    # the op itself, not the layer: the layer's 64-row rule and its fallback would hide what cuBLAS refuses
+    torch._scaled_mm(q, layer.weight.t(), scale_a=s, scale_b=layer.weight_scale, bias=layer.bias,
+                     out_dtype=torch.bfloat16, use_fast_accum=fast)
     torch.cuda.synchronize()
 
 
@@ -81,7 +84,8 @@ def probe_requests(model: str, sides: list[tuple[int, int]]) -> list[dict]:
         except Exception as exc:  # noqa: BLE001 - each size's outcome is the result
             out.append({"size": f"{w}x{h}", "ok": False, "error": short(exc)})
         print(f"high {w}x{h}: {out[-1]}", flush=True)
-    return [{"form": {k: v for k, v in form.items() if k != "kept_bf16"}}, *out]
+    fallbacks = {"x".join(map(str, key)): err for key, err in fp8.REFUSED.items()}  # M x K x N x fast
+    return [{"form": {k: v for k, v in form.items() if k != "kept_bf16"}, "fallbacks": fallbacks}, *out]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,8 @@ pass and hands the consumers an `Fp8Rows` (the q/k/v and MLP up-projections take
 for all of them).
 
 Where fp8 does not apply (no CUDA, a GPU before Ada/Hopper, fp16 or fp32 models, shapes `_scaled_mm` refuses),
-`fp8_refusal` says why and the caller keeps its bf16 layer; every op here has an eager twin used on the CPU.
+`fp8_refusal` says why and the caller keeps its bf16 layer; every op here has an eager twin used on the CPU. A GEMM
+that cuBLAS refuses at run time (a problem it has no algorithm for) falls back in `scaled_mm`, once per problem.
 """
 
 from __future__ import annotations
@@ -170,6 +171,56 @@ def layer_norm_modulate_fp8_eager(x: torch.Tensor, scale: torch.Tensor, shift: t
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The GEMM
+# ---------------------------------------------------------------------------------------------------------------
+
+# (M, K, N, fast accumulation) that cuBLAS refused, with its error: the next call of that problem goes straight to
+# the next form. FAST_ACCUM_MIN_ROWS avoids the refusals measured; this catches the ones no probe has seen (another
+# GPU, another cuBLAS), so a request gets a slower GEMM instead of a 500.
+REFUSED: dict[tuple[int, int, int, bool], str] = {}
+
+
+def _refused_by_cublas(exc: RuntimeError) -> bool:
+    """cuBLAS found no algorithm for the problem: raised before any launch, so nothing ran and a retry is safe."""
+    return "CUBLAS_STATUS_NOT_SUPPORTED" in str(exc)
+
+
+def scaled_mm_eager(q: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """The fp8 GEMM's twin: the dequantized operands multiplied in fp32 -> bf16 (CPU, and problems cuBLAS refuses)."""
+    out = (q.float() * scale) @ (weight.float() * weight_scale.t()).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(torch.bfloat16)
+
+
+def scaled_mm(q: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor,
+              bias: torch.Tensor | None, fast: bool) -> torch.Tensor:
+    """fp8 q [M, K] (row scales [M, 1]) @ fp8 weight [N, K]^T (channel scales [1, N]) + bias -> bf16 [M, N] by
+    `torch._scaled_mm`. Where cuBLAS refuses the problem: without fast accumulation, then the eager twin; each
+    refusal is logged once and remembered."""
+    if torch.compiler.is_compiling():  # traced as the plain op: no try/except or refusal table in the graph
+        return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, bias=bias,
+                                out_dtype=torch.bfloat16, use_fast_accum=fast)
+    M, K, N = q.shape[0], q.shape[1], weight.shape[0]
+    for use_fast in ((True, False) if fast else (False,)):
+        key = (M, K, N, use_fast)
+        if key in REFUSED:
+            continue
+        try:
+            return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, bias=bias,
+                                    out_dtype=torch.bfloat16, use_fast_accum=use_fast)
+        except RuntimeError as exc:
+            if not _refused_by_cublas(exc):
+                raise
+            REFUSED[key] = str(exc).splitlines()[0]
+            logger.warning("fp8 GEMM %dx%d -> %d (fast accumulation %s) refused by cuBLAS (%s); %s from now on",
+                           M, K, N, "on" if use_fast else "off", REFUSED[key],
+                           "without fast accumulation" if use_fast else "the eager fp32 form")
+    return scaled_mm_eager(q, weight, scale, weight_scale, bias)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The layer
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -229,13 +280,9 @@ class Fp8Linear(nn.Module):
     def matmul(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """fp8 [M, K] with fp32 scale [M, 1] -> bf16 [M, N] (fast accumulation from `FAST_ACCUM_MIN_ROWS` rows)."""
         if q.device.type != "cuda":
-            out = (q.float() * scale) @ self.dequantized_weight().t()
-            if self.bias is not None:
-                out = out + self.bias.float()
-            return out.to(torch.bfloat16)
+            return scaled_mm_eager(q, self.weight, scale, self.weight_scale, self.bias)
         fast = FAST_ACCUM.value and q.shape[0] >= FAST_ACCUM_MIN_ROWS
-        return torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, bias=self.bias,
-                                out_dtype=torch.bfloat16, use_fast_accum=fast)
+        return scaled_mm(q, self.weight, scale, self.weight_scale, self.bias, fast)
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if isinstance(x, Fp8Rows):  # quantized by the pass that produced it

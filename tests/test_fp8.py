@@ -216,6 +216,79 @@ def test_refusals_say_why() -> None:
         _model(torch.bfloat16).quantize_fp8()
 
 
+_NOT_SUPPORTED = ("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic( ltHandle, "
+                  "computeDesc.descriptor(), Adesc.descriptor(), ...)`")
+
+
+@pytest.fixture
+def gemm_operands(monkeypatch) -> tuple:
+    """An fp8 layer's GEMM operands on the CPU, an empty refusal table, and a list the fake `_scaled_mm`s record
+    their `use_fast_accum` into."""
+    monkeypatch.setattr(fp8, "REFUSED", {})
+    torch.manual_seed(0)
+    layer = fp8.Fp8Linear.from_linears([nn.Linear(64, 48, dtype=torch.bfloat16)])
+    q, s = fp8.quantize_rows_eager(torch.randn(5, 64).to(torch.bfloat16))
+    return (q, layer.weight, s, layer.weight_scale, layer.bias), []
+
+
+def test_a_gemm_cublas_refuses_with_fast_accumulation_runs_without_it_from_then_on(
+        gemm_operands, monkeypatch, caplog) -> None:
+    ops, calls = gemm_operands
+
+    def refuses_fast(q, w_t, *, use_fast_accum, **kw):  # answers 7s where it accepts the problem
+        calls.append(use_fast_accum)
+        if use_fast_accum:
+            raise RuntimeError(_NOT_SUPPORTED)
+        return torch.full((q.shape[0], w_t.shape[1]), 7.0, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuses_fast)
+    sevens = torch.full((5, 48), 7.0, dtype=torch.bfloat16)
+    with caplog.at_level("WARNING", logger="kernels.fp8"):
+        assert torch.equal(fp8.scaled_mm(*ops, fast=True), sevens)
+        assert torch.equal(fp8.scaled_mm(*ops, fast=True), sevens)
+    assert calls == [True, False, False]  # the refused form is not asked again
+    assert list(fp8.REFUSED) == [(5, 64, 48, True)] and "CUBLAS_STATUS_NOT_SUPPORTED" in fp8.REFUSED[(5, 64, 48, True)]
+    assert len([r for r in caplog.records if "refused by cuBLAS" in r.getMessage()]) == 1
+    # another row count is another problem: it tries fast accumulation again
+    q6, s6 = fp8.quantize_rows_eager(torch.randn(6, 64).to(torch.bfloat16))
+    assert torch.equal(fp8.scaled_mm(q6, ops[1], s6, ops[3], ops[4], fast=True), torch.full((6, 48), 7.0).bfloat16())
+    assert calls[3:] == [True, False]
+
+
+def test_a_gemm_cublas_refuses_in_every_form_runs_the_eager_twin(gemm_operands, monkeypatch) -> None:
+    ops, calls = gemm_operands
+
+    def refuses(q, w_t, *, use_fast_accum, **kw):
+        calls.append(use_fast_accum)
+        raise RuntimeError(_NOT_SUPPORTED)
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuses)
+    twin = fp8.scaled_mm_eager(*ops)
+    assert torch.equal(fp8.scaled_mm(*ops, fast=True), twin)
+    assert torch.equal(fp8.scaled_mm(*ops, fast=True), twin)
+    assert calls == [True, False]
+    q, w, s, ws, b = ops
+    assert torch.equal(twin, ((q.float() * s) @ (w.float() * ws.t()).t() + b.float()).to(torch.bfloat16))
+    calls.clear()
+    fp8.REFUSED.clear()
+    assert torch.equal(fp8.scaled_mm(*ops, fast=False), twin) and calls == [False]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA error: an illegal memory access was encountered"),
+                                   torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 216.00 MiB")])
+def test_other_gemm_errors_are_raised_not_taken_for_a_refusal(gemm_operands, monkeypatch, error) -> None:
+    ops, calls = gemm_operands
+
+    def fails(q, w_t, *, use_fast_accum, **kw):
+        calls.append(use_fast_accum)
+        raise error
+
+    monkeypatch.setattr(torch, "_scaled_mm", fails)
+    with pytest.raises(type(error), match=str(error)[:20]):
+        fp8.scaled_mm(*ops, fast=True)
+    assert calls == [True] and fp8.REFUSED == {}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The model's forms
 # ---------------------------------------------------------------------------------------------------------------
@@ -556,9 +629,15 @@ def test_gpu_fp8_gemm_accumulation_at_the_longest_flux_reduction(fast_accum: boo
 @_needs_fp8
 @pytest.mark.parametrize("K", [12288, 15360])
 @pytest.mark.parametrize("rows", [1, 16, 42, 64])
-def test_gpu_fp8_gemm_takes_the_few_rows_of_the_smallest_images(K: int, rows: int) -> None:
+@pytest.mark.parametrize("forced", [False, True])
+def test_gpu_fp8_gemm_takes_the_few_rows_of_the_smallest_images(monkeypatch, K: int, rows: int, forced: bool) -> None:
     """A 64x64 image is 16 tokens: the FF down-projection (K = 12288) and the single block's proj_out (K = 15360)
-    must run on so few rows with fast accumulation switched on (cuBLAS refused them before FAST_ACCUM_MIN_ROWS)."""
+    must run on so few rows with fast accumulation switched on (cuBLAS refused them before FAST_ACCUM_MIN_ROWS).
+    forced: fast accumulation even below that many rows, so that where this GPU refuses it (an H100 did below 43
+    rows, fp8-rows-h100.md) the layer's fallback runs; either way the result is the fp8 product."""
+    monkeypatch.setattr(fp8, "REFUSED", {})
+    if forced:
+        monkeypatch.setattr(fp8, "FAST_ACCUM_MIN_ROWS", 0)
     torch.manual_seed(0)
     layer = fp8.Fp8Linear.from_linears([nn.Linear(K, 3072, device="cuda", dtype=torch.bfloat16)])
     q, s = fp8.quantize_rows(torch.randn(rows, K, device="cuda", dtype=torch.bfloat16))
@@ -566,6 +645,8 @@ def test_gpu_fp8_gemm_takes_the_few_rows_of_the_smallest_images(K: int, rows: in
     with kernels.switches.override(fp8_fast_accum=True):
         y = layer.matmul(q, s)
     assert _rel(y, ref) < 5e-3, _rel(y, ref)
+    # unforced, the 64-row rule leaves cuBLAS nothing to refuse; forced, only the fast form may be refused
+    assert set(fp8.REFUSED) <= ({(rows, K, 3072, True)} if forced else set()), fp8.REFUSED
 
 
 @pytest.mark.gpu
