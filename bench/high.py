@@ -123,6 +123,7 @@ VARIANTS = [
 
 
 TORCHAO = "diffusers + torchao fp8 + compile"
+SERVED_HIGH = "high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 + cuda_graphs"
 
 
 def torchao_recipe(reference: Any) -> tuple[Any | None, str | None]:
@@ -313,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-batch", type=int, default=8,
                     help="steps per plan entry for the in-batch step time (0: skip it)")
     ap.add_argument("--only", nargs="+", default=None, help="variant names to run (default: all)")
-    ap.add_argument("--high-set", default="high + fp8 + fused_projections",
-                    help="the variant reported as `high` (default: what serve_config.yaml turns on for the pool)")
+    ap.add_argument("--high-set", default=SERVED_HIGH,
+                    help="the variant reported as `high` (default: the form a GPU high pool with cuda_graphs runs: "
+                         "model.request.HIGH_DEFAULTS, with the fp8 switches on by default, graphed)")
     ap.add_argument("--torchao", action="store_true",
                     help=f"also time `{TORCHAO}` in the same loops (compiles for minutes on its first calls)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "high-h200.json"))
