@@ -112,6 +112,13 @@ VARIANTS = [
             fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True),
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + compile", fp8=True,
             fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, compiled=True),
+    # The step cache on the served form: eager (how a graphed pool ran a cached batch before the blocks after the
+    # first got their own graph), and graphed (first block eager, the rest replayed). End to end only.
+    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + step_cache 0.1", fp8=True,
+            fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, step_cache=0.1),
+    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 + cuda_graphs"
+            " + step_cache 0.1", fp8=True, fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True,
+            attention8=True, cuda_graphs=True, step_cache=0.1),
     # 8-bit attention without CUDA graphs (an eager end-to-end run of it was slow: bench/host_time.py asks why),
     # through cuDNN and through the Triton kernel.
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8", fp8=True,

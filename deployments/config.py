@@ -361,9 +361,6 @@ def _check_step_cache(pool: PoolArgs, name: str) -> None:
     refusal = step_cache_refusal(pool, name)
     if refusal is not None:
         raise ValueError(f"args.pools.{name}.step_cache_threshold: {refusal}")
-    if pool.cuda_graphs:
-        raise ValueError(f"args.pools.{name}: step_cache_threshold and cuda_graphs exclude each other (the cache "
-                         "decides per step on the host; a request's own step_cache runs its batch without graphs)")
 
 
 def _reject_unknown(raw: dict[str, Any], cls: type, where: str) -> None:

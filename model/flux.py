@@ -510,7 +510,8 @@ class FirstBlockCache:
     `threshold` (mean absolute change over mean magnitude) since the last fully computed step, skip every other
     block and reuse that step's image residual of the skipped blocks. Not bit-exact (high tier only).
 
-    The decision reads one scalar per step back to the host, so a step with the cache never replays a CUDA graph.
+    The decision reads one scalar per step back to the host, so a step with the cache is never one CUDA graph: the
+    embeddings and the first block run eager, and the blocks after it are their own graph (see `_cached_step`).
     """
 
     def __init__(self, threshold: float) -> None:
@@ -563,8 +564,6 @@ def running(transformer: nn.Module, *, block_runners: tuple[Any, Any] | None = N
     block ends."""
     if block_runners is not None and step_graphs is not None:
         raise ValueError("compiled block runners never replay CUDA graphs: pass one or the other")
-    if step_cache is not None and step_graphs is not None:
-        raise ValueError("a step cache decides per step on the host: it never replays CUDA graphs")
     token = _EXECUTION.set(StepExecution(transformer, block_runners, step_graphs, step_cache))
     try:
         yield _EXECUTION.get()
@@ -703,9 +702,9 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
             controlnet_blocks_repeat=controlnet_blocks_repeat,
         )
         ex = execution_of(self)
-        if ex is not None and ex.step_graphs is not None:
+        if ex is not None and ex.step_graphs is not None and ex.step_cache is None:
             return ex.step_graphs(self, self._forward_eager, kwargs)
-        return self._forward_eager(**kwargs)
+        return self._forward_eager(**kwargs)  # a step cache replays the graph of the blocks after the first
 
     def _forward_eager(
         self,
@@ -748,22 +747,30 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
             img_ids = img_ids[0]
         image_rotary_emb = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
 
+        ex = execution_of(self)
+        if ex is not None and ex.step_cache is not None and controlnet_block_samples is None:
+            return self._cached_step(ex, hidden_states, encoder_hidden_states, temb, image_rotary_emb, return_dict)
+        hidden_states = self._blocks(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                     controlnet_block_samples=controlnet_block_samples,
+                                     controlnet_single_block_samples=controlnet_single_block_samples,
+                                     controlnet_blocks_repeat=controlnet_blocks_repeat)
+        return self._output(hidden_states, temb, return_dict)
+
+    def _blocks(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                image_rotary_emb: tuple[torch.Tensor, torch.Tensor], first: int = 0,
+                controlnet_block_samples=None, controlnet_single_block_samples=None,
+                controlnet_blocks_repeat: bool = False) -> torch.Tensor:
+        """The double blocks from index `first` on, then every single block: the image hidden states after them."""
         checkpointing = torch.is_grad_enabled() and self.gradient_checkpointing
         ex = execution_of(self)
         run_double, run_single = (ex and ex.block_runners) or (run_double_block, run_single_block)
-        cache = ex.step_cache if ex is not None and controlnet_block_samples is None else None
-        after_first = None
-        for index_block, block in enumerate(self.transformer_blocks):
+        for index_block in range(first, len(self.transformer_blocks)):
+            block = self.transformer_blocks[index_block]
             args = (hidden_states, encoder_hidden_states, temb, image_rotary_emb)
             if checkpointing:
                 encoder_hidden_states, hidden_states = self._gradient_checkpointing_func(block, *args)
             else:
                 encoder_hidden_states, hidden_states = run_double(block, *args)
-            if cache is not None and index_block == 0:
-                first_residual = hidden_states - args[0]
-                if cache.can_skip(first_residual):
-                    return self._output(cache.skip(hidden_states), temb, return_dict)
-                after_first = hidden_states
             if controlnet_block_samples is not None:
                 interval = int(np.ceil(len(self.transformer_blocks) / len(controlnet_block_samples)))
                 if controlnet_blocks_repeat:  # XLabs ControlNet
@@ -788,10 +795,36 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
                 interval = int(np.ceil(len(self.single_transformer_blocks) / len(controlnet_single_block_samples)))
                 image = joint[:, text_len:] + controlnet_single_block_samples[index_block // interval]
                 joint = torch.cat([joint[:, :text_len], image], dim=1)
-        if joint is not None:
-            hidden_states = joint[:, text_len:]
-        if after_first is not None:
-            cache.store(first_residual, hidden_states - after_first)
+        return hidden_states if joint is None else joint[:, text_len:]
+
+    def _blocks_after_first(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                            temb: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        """`_blocks` from the second double block on, with tensor arguments only (what a CUDA graph is keyed by)."""
+        return self._blocks(hidden_states, encoder_hidden_states, temb, (rope_cos, rope_sin), first=1)
+
+    def _cached_step(self, ex: StepExecution, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                     temb: torch.Tensor, image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
+                     return_dict: bool) -> torch.Tensor | Transformer2DModelOutput:
+        """A step under `ex.step_cache`: the first double block, then either the cached residual of the others or
+        all of them (replayed from a CUDA graph where `ex.step_graphs` allows it: the same kernels as eager)."""
+        cache = ex.step_cache
+        run_double = (ex.block_runners or (run_double_block,))[0]
+        if torch.is_grad_enabled() and self.gradient_checkpointing:
+            encoder_hidden_states, after_first = self._gradient_checkpointing_func(
+                self.transformer_blocks[0], hidden_states, encoder_hidden_states, temb, image_rotary_emb)
+        else:
+            encoder_hidden_states, after_first = run_double(
+                self.transformer_blocks[0], hidden_states, encoder_hidden_states, temb, image_rotary_emb)
+        first_residual = after_first - hidden_states
+        if cache.can_skip(first_residual):
+            return self._output(cache.skip(after_first), temb, return_dict)
+        rest = dict(hidden_states=after_first, encoder_hidden_states=encoder_hidden_states, temb=temb,
+                    rope_cos=image_rotary_emb[0], rope_sin=image_rotary_emb[1])
+        if ex.step_graphs is not None:
+            hidden_states = ex.step_graphs(self, self._blocks_after_first, rest)
+        else:
+            hidden_states = self._blocks_after_first(**rest)
+        cache.store(first_residual, hidden_states - after_first)
         return self._output(hidden_states, temb, return_dict)
 
     def _output(self, hidden_states: torch.Tensor, temb: torch.Tensor,

@@ -46,8 +46,6 @@ class TierPlan:
                                            or self.fp8 or self.fused_projections or self.step_cache is not None):
             raise ValueError(f"a lossless plan may not switch on non-exact kernels, compiled blocks or a converted "
                              f"(fp8 / fused-projection) transformer: {self}")
-        if self.step_cache is not None and self.cuda_graphs:
-            raise ValueError("a step cache decides per step on the host: it never replays CUDA graphs")
         if self.fp8 and self.mount_gelu:
             raise ValueError("fp8 layers take their GELU inside the quantization pass: no GELU sites to mount")
         if self.compiled and self.cuda_graphs:
@@ -58,16 +56,15 @@ def plan_tier(quality: Quality, *, fast_norm: bool = False, attention8: bool = F
               cuda_graphs: bool = False, fp8: bool = False, fused_projections: bool = False,
               step_cache: float | None = None) -> TierPlan:
     """The plan of one batch: `high` mounts the GELU sites (unless fp8 layers take the GELU) and takes the opt-ins
-    it is given; `lossless` none of them. CUDA graphs apply to either tier, except inside a compiled batch or one
-    with a step cache; such a step-cache batch also leaves 8-bit attention out, since its eager launches cost more
-    host time than its kernels save (bench/results/host-time-h100.md); without graphs asked for, attention8 stays.
+    it is given; `lossless` none of them. CUDA graphs apply to either tier, except inside a compiled batch (a
+    step-cache batch replays the blocks after the first from a graph: `model.flux.FirstBlockCache`).
     fp8 / fused_projections describe the transformer's form: a lossless plan for a converted transformer raises."""
     high = quality == "high"
     cache = step_cache if high else None
     return TierPlan(quality, mount_gelu=high and not fp8, fast_norm=high and fast_norm,
-                    attention8=high and attention8 and not (cuda_graphs and cache is not None),
+                    attention8=high and attention8,
                     compiled=high and compiled,
-                    cuda_graphs=cuda_graphs and not (high and compiled) and cache is None, fp8=fp8,
+                    cuda_graphs=cuda_graphs and not (high and compiled), fp8=fp8,
                     fused_projections=fused_projections, step_cache=cache)
 
 

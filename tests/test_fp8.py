@@ -780,6 +780,34 @@ def test_step_cache_reuses_the_rest_residual_when_the_first_block_barely_changed
     assert not torch.allclose(moved, full)
 
 
+class _RecordingGraphs:
+    """Stands in for `model.graphs.StepGraphs`: records what the forward hands it and runs it eagerly."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[str, ...]]] = []
+
+    def __call__(self, module: nn.Module, eager, kwargs: dict) -> object:
+        self.calls.append((eager.__name__, tuple(sorted(kwargs))))
+        return eager(**kwargs)
+
+
+def test_step_cache_hands_only_the_blocks_after_the_first_to_the_step_graphs() -> None:
+    """With graphs, a cached batch's computed step runs the first block eager (its residual decides on the host)
+    and passes the others, tensors only, to the graphs; a skipped step passes nothing. Same results as without."""
+    m = _model()
+    inputs = _inputs(2)
+    moved = {**inputs, "hidden_states": inputs["hidden_states"] * 3}
+    outs = {}
+    for graphed in (False, True):
+        cache, graphs = flux_mod.FirstBlockCache(threshold=0.05), _RecordingGraphs()
+        with torch.no_grad(), flux_mod.running(m, step_cache=cache, step_graphs=graphs if graphed else None):
+            outs[graphed] = [m(**x)[0] for x in (inputs, inputs, moved)]
+        assert (cache.computed, cache.skipped) == (2, 1)
+    rest = ("_blocks_after_first", ("encoder_hidden_states", "hidden_states", "rope_cos", "rope_sin", "temb"))
+    assert graphs.calls == [rest, rest]  # the two computed steps; the whole forward never
+    assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+
+
 def test_step_cache_threshold_zero_never_skips_and_the_lossless_plan_refuses_it() -> None:
     from model.tiers import TierPlan, plan_tier
 
@@ -791,7 +819,7 @@ def test_step_cache_threshold_zero_never_skips_and_the_lossless_plan_refuses_it(
     assert (cache.computed, cache.skipped) == (3, 0) and all(torch.equal(o, outs[0]) for o in outs)
     assert plan_tier("lossless", step_cache=0.1).step_cache is None
     plan = plan_tier("high", step_cache=0.1, cuda_graphs=True)
-    assert plan.step_cache == 0.1 and not plan.cuda_graphs  # a cached batch never replays graphs
+    assert plan.step_cache == 0.1 and plan.cuda_graphs  # the blocks after the first replay their own graph
     with pytest.raises(ValueError, match="lossless plan"):
         TierPlan("lossless", step_cache=0.1)
     with pytest.raises(ValueError, match=">= 0"):
@@ -842,10 +870,11 @@ def test_a_requests_step_cache_overrides_the_pools(tiny_path: Path, capsys: pyte
     ({"pools": {"lossless": {"step_cache_threshold": 0.1}}}, "high pool only"),
     ({"pools": {"high": {"step_cache_threshold": 1.5}}}, r"\[0, 1\)"),
     ({"pools": {"high": {"step_cache_threshold": True}}}, r"\[0, 1\)"),
-    ({"device": "cuda", "pools": {"high": {"step_cache_threshold": 0.1, "cuda_graphs": True}}}, "exclude each other"),
     ({"pools": {"high": {"step_cache_threshold": 0.1, "tp": 2, "fp8": False, "fused_projections": False}}}, "tp > 1"),
 ])
 def test_bad_step_cache_options_are_config_errors(raw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         AppArgs.parse(raw)
     assert AppArgs.parse({"pools": {"high": {"step_cache_threshold": 0.1}}}).pools["high"].step_cache_threshold == 0.1
+    graphed = AppArgs.parse({"device": "cuda", "pools": {"high": {"step_cache_threshold": 0.1, "cuda_graphs": True}}})
+    assert graphed.pools["high"].cuda_graphs and graphed.pools["high"].step_cache_threshold == 0.1

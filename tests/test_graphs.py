@@ -532,6 +532,27 @@ def test_gpu_pipeline_graphs_give_the_same_latents_and_pngs(gpu_pipe) -> None:
         gpu_pipe.disable_cuda_graphs()
 
 
+@pytest.mark.gpu
+def test_gpu_step_cache_replays_the_blocks_after_the_first_and_equals_eager(gpu_pipe) -> None:
+    """A step-cache batch on a graphed pool: the first block eager (its residual decides on the host), the others
+    replayed from one graph per signature: the same skips, latents and PNG as the eager cached batch."""
+    sg = gpu_pipe.enable_cuda_graphs()
+    try:
+        batch = [GenerationRequest("a red fox", height=64, width=64, steps=6, seed=3, quality="high",
+                                   step_cache=0.9)]  # random tiny weights: a loose threshold so that steps skip
+        eager = gpu_pipe.generate(batch, cuda_graphs=False)[0]
+        captures, replays = sg.captures, sg.replays
+        graphed = gpu_pipe.generate(batch, cuda_graphs=True)[0]
+        skipped = graphed.timings["cached_steps"]
+        assert 1 <= skipped <= 5 and skipped == eager.timings["cached_steps"]
+        assert sg.captures - captures == 1 and sg.replays - replays == 6 - skipped, sg.stats()
+        assert torch.equal(eager.latents, graphed.latents) and eager.png == graphed.png
+        again = gpu_pipe.generate(batch, cuda_graphs=True)[0]  # replays the graph captured above
+        assert sg.captures - captures == 1 and torch.equal(again.latents, eager.latents)
+    finally:
+        gpu_pipe.disable_cuda_graphs()
+
+
 # Last: a real CUDA error inside a capture (not just a Python exception) must leave the process usable.
 @pytest.mark.gpu
 def test_gpu_illegal_sync_inside_capture_falls_back_and_later_captures_work(gpu_model: FluxTransformer,
