@@ -748,7 +748,8 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         image_rotary_emb = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
 
         ex = execution_of(self)
-        if ex is not None and ex.step_cache is not None and controlnet_block_samples is None:
+        if (ex is not None and ex.step_cache is not None and controlnet_block_samples is None
+                and len(self.transformer_blocks) > 0):
             return self._cached_step(ex, hidden_states, encoder_hidden_states, temb, image_rotary_emb, return_dict)
         hidden_states = self._blocks(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
                                      controlnet_block_samples=controlnet_block_samples,
