@@ -16,7 +16,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -762,16 +762,10 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
                 controlnet_block_samples=None, controlnet_single_block_samples=None,
                 controlnet_blocks_repeat: bool = False) -> torch.Tensor:
         """The double blocks from index `first` on, then every single block: the image hidden states after them."""
-        checkpointing = torch.is_grad_enabled() and self.gradient_checkpointing
-        ex = execution_of(self)
-        run_double, run_single = (ex and ex.block_runners) or (run_double_block, run_single_block)
+        run_double, run_single = self._block_runners()
         for index_block in range(first, len(self.transformer_blocks)):
-            block = self.transformer_blocks[index_block]
-            args = (hidden_states, encoder_hidden_states, temb, image_rotary_emb)
-            if checkpointing:
-                encoder_hidden_states, hidden_states = self._gradient_checkpointing_func(block, *args)
-            else:
-                encoder_hidden_states, hidden_states = run_double(block, *args)
+            encoder_hidden_states, hidden_states = run_double(
+                self.transformer_blocks[index_block], hidden_states, encoder_hidden_states, temb, image_rotary_emb)
             if controlnet_block_samples is not None:
                 interval = int(np.ceil(len(self.transformer_blocks) / len(controlnet_block_samples)))
                 if controlnet_blocks_repeat:  # XLabs ControlNet
@@ -788,15 +782,22 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         if len(self.single_transformer_blocks) > 0:
             joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         for index_block, block in enumerate(self.single_transformer_blocks):
-            if checkpointing:
-                joint = self._gradient_checkpointing_func(block.forward_joint, joint, temb, image_rotary_emb)
-            else:
-                joint = run_single(block, joint, temb, image_rotary_emb)
+            joint = run_single(block, joint, temb, image_rotary_emb)
             if controlnet_single_block_samples is not None:
                 interval = int(np.ceil(len(self.single_transformer_blocks) / len(controlnet_single_block_samples)))
                 image = joint[:, text_len:] + controlnet_single_block_samples[index_block // interval]
                 joint = torch.cat([joint[:, :text_len], image], dim=1)
         return hidden_states if joint is None else joint[:, text_len:]
+
+    def _block_runners(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """How this call runs a double and a single block (`run_double_block` / `run_single_block` signatures):
+        through gradient checkpointing while training with it, else the batch's compiled runners or the plain ones."""
+        if torch.is_grad_enabled() and self.gradient_checkpointing:
+            checkpoint = self._gradient_checkpointing_func
+            return (lambda block, *args: checkpoint(block, *args),
+                    lambda block, *args: checkpoint(block.forward_joint, *args))
+        ex = execution_of(self)
+        return (ex and ex.block_runners) or (run_double_block, run_single_block)
 
     def _blocks_after_first(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                             temb: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
@@ -809,13 +810,8 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         """A step under `ex.step_cache`: the first double block, then either the cached residual of the others or
         all of them (replayed from a CUDA graph where `ex.step_graphs` allows it: the same kernels as eager)."""
         cache = ex.step_cache
-        run_double = (ex.block_runners or (run_double_block,))[0]
-        if torch.is_grad_enabled() and self.gradient_checkpointing:
-            encoder_hidden_states, after_first = self._gradient_checkpointing_func(
-                self.transformer_blocks[0], hidden_states, encoder_hidden_states, temb, image_rotary_emb)
-        else:
-            encoder_hidden_states, after_first = run_double(
-                self.transformer_blocks[0], hidden_states, encoder_hidden_states, temb, image_rotary_emb)
+        encoder_hidden_states, after_first = self._block_runners()[0](
+            self.transformer_blocks[0], hidden_states, encoder_hidden_states, temb, image_rotary_emb)
         first_residual = after_first - hidden_states
         if cache.can_skip(first_residual):
             return self._output(cache.skip(after_first), temb, return_dict)

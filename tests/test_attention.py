@@ -183,6 +183,7 @@ def test_a_step_cache_batch_keeps_graphs_and_attention8(tiny_path: Path, monkeyp
     the attention8 it asked for."""
     cached = plan_tier("high", attention8=True, cuda_graphs=True, step_cache=0.1)
     assert (cached.attention8, cached.cuda_graphs, cached.step_cache) == (True, True, 0.1)
+    assert plan_tier("high", attention8=True, cuda_graphs=True).attention8
     assert plan_tier("high", attention8=True, step_cache=0.1).attention8
     pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
     monkeypatch.setattr(type(pipe), "_cuda_half", lambda self: True)
