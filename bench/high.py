@@ -76,6 +76,9 @@ class Variant:
         return self.fused_projections, self.fp8, self.fp8 and self.fp8_adaln
 
 
+# The form a GPU high pool serves with cuda_graphs: model.request.HIGH_DEFAULTS, the fp8 switches at their defaults.
+SERVED_HIGH = "high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 + cuda_graphs"
+
 VARIANTS = [
     Variant("high (GELU sites)"),
     Variant("high + fast_norm", fast_norm=True),
@@ -102,9 +105,8 @@ VARIANTS = [
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + cuda_graphs", fp8=True,
             fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, cuda_graphs=True),
     Variant("high + fp8 + fused_projections + fast_accum", fp8=True, fused_projections=True, fast_accum=True),
-    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 + cuda_graphs",
-            fp8=True, fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, attention8=True,
-            cuda_graphs=True),
+    Variant(SERVED_HIGH, fp8=True, fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True,
+            attention8=True, cuda_graphs=True),
     # torch.compile on top of the converted form: under a trace our kernels but the residual-gate add take their
     # eager twins (Inductor writes those passes); 8-bit attention does not run compiled, and a compiled batch replays
     # no CUDA graphs.
@@ -130,7 +132,6 @@ VARIANTS = [
 
 
 TORCHAO = "diffusers + torchao fp8 + compile"
-SERVED_HIGH = "high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 + cuda_graphs"
 
 
 def torchao_recipe(reference: Any) -> tuple[Any | None, str | None]:
