@@ -21,16 +21,30 @@ def set_keys(keys: frozenset[str]) -> None:
     _keys = frozenset(keys)
 
 
+# The one route a load balancer's liveness probe reaches without a key (an exact path: a suffix test would exempt
+# any route ending so).
+EXEMPT_PATH = "/healthz"
+
+
 def _authorized(header: str) -> bool:
     scheme, _, token = header.partition(" ")
-    # compare_digest against every key: the time taken does not tell how much of a key matched
-    matches = [hmac.compare_digest(token.strip(), k) for k in _keys]
+    # compare_digest against every key: the time taken does not tell how much of a key matched. Bytes, since on str
+    # it raises for non-ASCII text, which a header decoded as latin-1 may hold.
+    given = token.strip().encode("utf-8", "surrogateescape")
+    matches = [hmac.compare_digest(given, k.encode("utf-8")) for k in _keys]
     return scheme.lower() == "bearer" and any(matches)
 
 
+def _route_path(request: Request) -> str:
+    """The path below the app's mount point (Serve's route prefix arrives as the ASGI root_path)."""
+    path, root = request.url.path, request.scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 async def require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
-    """HTTP middleware: a 401 JSON error unless keys are off, the path is /healthz, or the bearer key is known."""
-    if _keys and not request.url.path.rstrip("/").endswith("/healthz"):
+    """HTTP middleware: a 401 JSON error unless keys are off, the path is exactly /healthz, or the bearer key is
+    known."""
+    if _keys and _route_path(request) != EXEMPT_PATH:
         if not _authorized(request.headers.get("authorization", "")):
             return JSONResponse(
                 status_code=401, headers={"WWW-Authenticate": "Bearer"},

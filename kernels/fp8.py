@@ -44,6 +44,13 @@ FAST_ACCUM = switches.register(
 # M <= 42 refused on an H100, bench/results/fp8-rows-h100.md), which a 64x64 image's 16 tokens hit; the promoting
 # one takes every M, and so few rows cost a weight read either way.
 FAST_ACCUM_MIN_ROWS = 64
+
+
+def fast_accumulation(rows: int) -> bool:
+    """Whether an fp8 GEMM of `rows` rows asks cuBLAS for fast accumulation: the switch, from FAST_ACCUM_MIN_ROWS."""
+    return FAST_ACCUM.value and rows >= FAST_ACCUM_MIN_ROWS
+
+
 # Layers fed at most this many rows (the AdaLN modulation: one row per image) skip the activation quantization and
 # read their fp8 weight in a weight-only GEMV: the GEMM there is a weight read, and bf16 weights are twice the bytes.
 WEIGHT_ONLY_ROWS = 16
@@ -281,8 +288,7 @@ class Fp8Linear(nn.Module):
         """fp8 [M, K] with fp32 scale [M, 1] -> bf16 [M, N] (fast accumulation from `FAST_ACCUM_MIN_ROWS` rows)."""
         if q.device.type != "cuda":
             return scaled_mm_eager(q, self.weight, scale, self.weight_scale, self.bias)
-        fast = FAST_ACCUM.value and q.shape[0] >= FAST_ACCUM_MIN_ROWS
-        return scaled_mm(q, self.weight, scale, self.weight_scale, self.bias, fast)
+        return scaled_mm(q, self.weight, scale, self.weight_scale, self.bias, fast_accumulation(q.shape[0]))
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if isinstance(x, Fp8Rows):  # quantized by the pass that produced it

@@ -649,6 +649,42 @@ def test_gpu_fp8_gemm_takes_the_few_rows_of_the_smallest_images(monkeypatch, K: 
     assert set(fp8.REFUSED) <= ({(rows, K, 3072, True)} if forced else set()), fp8.REFUSED
 
 
+def test_fast_accumulation_starts_at_its_row_count_and_follows_its_switch() -> None:
+    """The dispatch rule itself (on the CPU the layer never reaches it): below FAST_ACCUM_MIN_ROWS the promoting
+    GEMM (cuBLAS refused fast accumulation for a 64x64 image's 16 rows), from it fast accumulation, never with the
+    switch off. Catches `>` for `>=`, a lost switch and a changed threshold."""
+    assert fp8.FAST_ACCUM_MIN_ROWS == 64  # bench/results/fp8-rows-h100.md measured the refusals below it
+    with kernels.switches.override(fp8_fast_accum=True):
+        assert [fp8.fast_accumulation(m) for m in (1, 16, 63, 64, 65, 4608)] == [False] * 3 + [True] * 3
+    with kernels.switches.override(fp8_fast_accum=False):
+        assert not any(fp8.fast_accumulation(m) for m in (1, 63, 64, 4608))
+
+
+@pytest.mark.gpu
+@_needs_fp8
+def test_gpu_scaled_mm_gets_fast_accumulation_by_row_count(monkeypatch) -> None:
+    """A spy on `torch._scaled_mm`: the layer asks for fast accumulation at 64 rows and more, not at 63 or 16, and
+    never with the switch off; the GEMM's other arguments are the layer's own (row scales, channel scales, bias)."""
+    monkeypatch.setattr(fp8, "REFUSED", {})
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(a, b, **kw):
+        calls.append((a.shape[0], kw["use_fast_accum"], kw["scale_a"].shape, kw["scale_b"].shape, kw["bias"] is not None,
+                      kw["out_dtype"]))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    torch.manual_seed(0)
+    layer = fp8.Fp8Linear.from_linears([nn.Linear(3072, 1024, device="cuda", dtype=torch.bfloat16)])
+    for switch in (True, False):
+        with kernels.switches.override(fp8_fast_accum=switch):
+            for rows in (16, 63, 64, 256):
+                calls.clear()
+                layer(torch.randn(rows, 3072, device="cuda", dtype=torch.bfloat16))
+                assert calls == [(rows, switch and rows >= 64, (rows, 1), (1, 1024), True, torch.bfloat16)], calls
+
+
 @pytest.mark.gpu
 @_needs_fp8
 @pytest.mark.parametrize("rows", [1, 2, 16])
@@ -778,6 +814,52 @@ def test_step_cache_reuses_the_rest_residual_when_the_first_block_barely_changed
     assert calls.count == 2 + 1 + 2  # both double blocks per computed step, the first one only when skipped
     assert torch.allclose(same, full, rtol=1e-5, atol=1e-5)  # skipped step: first block + the cached residual
     assert not torch.allclose(moved, full)
+
+
+class _Taps:
+    """Records, for uncached forwards, the image stream after the first double block, the hidden states entering
+    the output norm (after every block) and the temb that norm gets: the pieces a skipped step is made of."""
+
+    def __init__(self, m: FluxTransformer) -> None:
+        self.first: list[torch.Tensor] = []
+        self.last: list[tuple[torch.Tensor, torch.Tensor]] = []
+        m.transformer_blocks[0].register_forward_hook(lambda _m, _a, out: self.first.append(out[1]))
+        m.norm_out.register_forward_pre_hook(lambda _m, args: self.last.append((args[0], args[1])))
+
+
+def test_a_skipped_step_reuses_the_latest_computed_steps_residual() -> None:
+    """compute / skip / compute / skip, checked against full forwards: a computed step equals the uncached forward;
+    a skipped step equals the output layers on (its own first block's output + the residual of every later block
+    in the step computed last). Catches a reversed threshold comparison (the decisions flip), a cache that keeps
+    its first stored residual (the second skip would add the first step's), and a skip that adds the first block's
+    residual instead of the later blocks'."""
+    m = _model()
+    a = _inputs(1)
+    near = lambda x, eps: {**x, "hidden_states": x["hidden_states"] * (1 + eps)}  # noqa: E731
+    b = {**a, "hidden_states": a["hidden_states"] * 3 + 0.5}  # a large change of the first block's residual
+    sequence = [a, near(a, 1e-4), b, near(b, 2e-4)]
+    with torch.no_grad():
+        taps = _Taps(m)
+        full = [m(**x)[0] for x in sequence]  # every block, no cache
+        cache = flux_mod.FirstBlockCache(threshold=0.05)
+        with flux_mod.running(m, step_cache=cache):
+            cached = []
+            for x in sequence:
+                before = cache.skipped
+                cached.append((m(**x)[0], cache.skipped > before))
+        assert [skipped for _, skipped in cached] == [False, True, False, True]
+        assert (cache.computed, cache.skipped) == (2, 2)
+        for i in (0, 2):
+            assert torch.equal(cached[i][0], full[i])
+        for i, latest in ((1, 0), (3, 2)):
+            rest = taps.last[latest][0] - taps.first[latest]  # what the latest computed step's later blocks added
+            temb = taps.last[i][1]
+            expected = m.proj_out(m.norm_out(taps.first[i] + rest, temb))
+            assert torch.equal(cached[i][0], expected), i
+            assert not torch.allclose(cached[i][0], full[i], atol=0, rtol=0)  # a skip is not a full step
+        # with the first step's residual instead of the latest one the last step would differ
+        stale = m.proj_out(m.norm_out(taps.first[3] + (taps.last[0][0] - taps.first[0]), taps.last[3][1]))
+        assert not torch.allclose(cached[3][0], stale, rtol=1e-3, atol=1e-3)
 
 
 class _RecordingGraphs:

@@ -201,14 +201,29 @@ def test_keys_cover_shapes_optional_args_return_dict_and_mode_but_not_values() -
     assert sg.key(a) == high
 
 
-@pytest.mark.parametrize("switch", ["residual_gate_add", "rope_cat", "rms_rope_cat", "modulate",
-                                    "layer_norm_modulate", "gelu_tanh_into", "single_block_in_place"])
-def test_a_graph_is_never_replayed_across_a_kernel_switch_change(switch: str) -> None:
-    """Every registered kernel switch is part of the graph key: flipping one captures a new graph instead of
-    replaying the one captured with the old kernels; flipping it back replays that one again."""
+def _every_switch() -> list[str]:
+    """Every registered kernel switch, after importing every kernels module (each registers its own at import)."""
+    import importlib
+    import pkgutil
+
     from kernels import switches
 
-    assert switch in switches.names()  # the model's and the kernels' switches are all registered
+    for info in pkgutil.iter_modules(kernels.__path__):
+        importlib.import_module(f"kernels.{info.name}")
+    names = switches.names()
+    # the model's and the kernels' switches known when this test was written are still registered
+    assert {"residual_gate_add", "rope_cat", "rms_rope_cat", "modulate", "layer_norm_modulate", "gelu_tanh_into",
+            "single_block_in_place", "fp8_fast_accum", "fp8_norm_producer", "attention8_cudnn"} <= set(names), names
+    return names
+
+
+@pytest.mark.parametrize("switch", _every_switch())
+def test_a_graph_is_never_replayed_across_a_kernel_switch_change(switch: str) -> None:
+    """Every registered kernel switch is part of the graph key (the loop is over the registry, so a switch added
+    later is covered, and a key that leaves one out fails): flipping one captures a new graph instead of replaying
+    the one captured with the old kernels; flipping it back replays that one again."""
+    from kernels import switches
+
     m = _model()
     sg = _attach(m, _PolicyOnly(max_graphs=4))
     inputs = _inputs(1, seed=1)

@@ -18,8 +18,9 @@ from deployments.schema import SEED_MAX, BadRequest, ImageRequest, validate  # n
 
 LIMITS = Limits(min_side=64, max_side=1024, max_pixels=512 * 1024, size_multiple=16, min_steps=2, max_steps=50,
                 max_n=3, max_prompt_chars=40, max_guidance=12.0)
-ARGS = AppArgs.parse({"default_size": "256x256", "default_steps": 4, "default_guidance": 3.5,
-                      "request_timeout_s": 30, "limits": LIMITS.__dict__})
+RAW_ARGS = {"default_size": "256x256", "default_steps": 4, "default_guidance": 3.5, "request_timeout_s": 30,
+            "limits": LIMITS.__dict__}
+ARGS = AppArgs.parse(RAW_ARGS)
 MODEL = "tiny"
 
 
@@ -66,6 +67,14 @@ BOUNDS = [
      "step_cache: the step cache is for the high pool only"),
     ("step_cache", {"step_cache": 0.1, "quality": "high"}, {"step_cache": 0.1},  # the default tier: lossless
      "(this request asks for quality 'lossless')"),
+    ("partial_images", {"stream": True, "partial_images": 3}, {"stream": True, "partial_images": 4},
+     "partial_images must be between 0 and 3, got 4"),
+    ("partial_images", {"stream": True, "partial_images": 0}, {"stream": True, "partial_images": -1},
+     "partial_images must be between 0 and 3, got -1"),
+    ("output_compression", {"output_format": "jpeg", "output_compression": 100},
+     {"output_format": "jpeg", "output_compression": 101}, "output_compression must be between 0 and 100, got 101"),
+    ("output_compression", {"output_format": "webp", "output_compression": 0},
+     {"output_format": "webp", "output_compression": -1}, "output_compression must be between 0 and 100, got -1"),
 ]
 
 
@@ -286,3 +295,50 @@ def test_file_store_expires_and_evicts_the_oldest() -> None:
     assert store.get(b) is None and store.get(c) is None
     with pytest.raises(ValueError, match="does not fit"):
         store.put(b"x" * 11, "image/png")
+
+
+LORA_ARGS = AppArgs.parse({**RAW_ARGS, "loras": {n: f"/models/{n}.safetensors" for n in "abcde"}})
+
+
+@pytest.mark.parametrize("inside, outside, message", [
+    ([("a", 1.0)] * 1 + [("b", 1.0), ("c", 1.0), ("d", 1.0)], [(n, 1.0) for n in "abcde"],
+     "at most 4 LoRA adapters per request, got 5"),
+    ([("a", 8.0)], [("a", 8.000001)], "LoRA scale must be finite and within +-8.0, got 8.000001"),
+    ([("a", -8.0)], [("a", -8.000001)], "within +-8.0, got -8.000001"),
+    ([("a", 0.0)], [("a", float("nan"))], "LoRA scale must be finite"),
+    ([("a", 1.0), ("b", 1.0)], [("a", 1.0), ("a", 0.5)], "LoRA adapter 'a' is named twice"),
+    ([("e", 1.0)], [("f", 1.0)], "unknown LoRA adapter 'f'; this server serves ['a', 'b', 'c', 'd', 'e']"),
+])
+def test_lora_bounds_accept_inside_and_refuse_just_outside(inside: list, outside: list, message: str) -> None:
+    """`max_loras` and `max_lora_scale` at their edges (a `<` for `<=` or a dropped `abs` fails here)."""
+    def body(refs: list) -> dict:
+        return {"lora": [{"name": n, "scale": s} for n, s in refs]}
+
+    assert _validate(LORA_ARGS, **body(inside)).jobs[0].loras == tuple(sorted((n, float(s)) for n, s in inside))
+    with pytest.raises(BadRequest) as exc:
+        _validate(LORA_ARGS, **body(outside))
+    assert exc.value.param == "lora" and message in exc.value.message, exc.value.message
+
+
+def test_edit_strength_and_image_bytes_at_their_bounds() -> None:
+    """strength in (0, 1] and MAX_EDIT_IMAGE_BYTES, each just inside and just outside."""
+    from deployments.schema import MAX_EDIT_IMAGE_BYTES, validate_edit
+    from tests._inputs import random_png
+
+    png = random_png(1)
+    files = {"image": png}
+    for inside in ("1", "1e-9"):
+        assert validate_edit({"prompt": "a", "strength": inside}, files, ARGS, MODEL).jobs[0].strength == float(inside)
+    for outside in ("1.0000001", "0", "-0.5"):
+        with pytest.raises(BadRequest) as exc:
+            validate_edit({"prompt": "a", "strength": outside}, files, ARGS, MODEL)
+        assert exc.value.param == "strength" and "strength must be in (0, 1]" in exc.value.message
+    # PNG readers stop at IEND: trailing bytes make an image of exactly the limit's size
+    exact = png + b"\0" * (MAX_EDIT_IMAGE_BYTES - len(png))
+    for name in ("image", "mask"):
+        ok = {"image": png, name: exact}
+        assert len(validate_edit({"prompt": "a"}, ok, ARGS, MODEL).jobs) == 1
+        with pytest.raises(BadRequest) as exc:
+            validate_edit({"prompt": "a"}, {**ok, name: exact + b"\0"}, ARGS, MODEL)
+        assert exc.value.param == name
+        assert f"{name} is too large: {MAX_EDIT_IMAGE_BYTES + 1} bytes, at most {MAX_EDIT_IMAGE_BYTES}" in exc.value.message

@@ -1,0 +1,58 @@
+"""The application builder's wiring without a running Ray: what `serve run` hands Serve for each pool.
+
+(The bound's behaviour under a burst, with Serve running: tests/test_serve.py::test_a_burst_past_the_queue_bound_is_shed.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray")
+
+from deployments.app import build_app_with_options  # noqa: E402
+from deployments.config import AppArgs  # noqa: E402
+from model.request import QUALITIES  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _pools(raw_args: dict) -> dict[str, object]:
+    """The pool deployments bound under the ingress, by name."""
+    ingress = build_app_with_options(raw_args)._bound_deployment
+    pools = {}
+    for arg in ingress.init_args:
+        bound = getattr(arg, "_bound_deployment", None)
+        if bound is not None and bound.name in QUALITIES:
+            pools[bound.name] = bound
+    assert sorted(pools) == sorted(QUALITIES)
+    return pools
+
+
+@pytest.mark.parametrize("bound", [1, 7, 64, -1])
+def test_the_configured_queue_bound_reaches_every_pool_unchanged(bound: int) -> None:
+    """Catches a builder that drops, clamps or hard-codes `max_queued_requests` (the burst test bounds loosely on
+    purpose, so it would not see 64 become 63 or -1 become a bound)."""
+    for name, deployment in _pools({"max_queued_requests": bound}).items():
+        assert deployment.max_queued_requests == bound, name
+
+
+@pytest.mark.parametrize("config", ["serve_config.yaml", "serve_config.h200.yaml"])
+def test_the_shipped_configs_queue_bound_is_what_serve_gets(config: str) -> None:
+    """`serve run` applies the YAML's `deployments:` entries over the builder's options: none may set a pool's
+    queue bound to something other than `args.max_queued_requests`."""
+    app = yaml.safe_load((ROOT / config).read_text())["applications"][0]
+    args = AppArgs.parse(app["args"])
+    for name, deployment in _pools(app["args"]).items():
+        assert deployment.max_queued_requests == args.max_queued_requests, (config, name)
+    for entry in app.get("deployments", []):
+        if entry["name"] in QUALITIES:
+            assert entry.get("max_queued_requests", args.max_queued_requests) == args.max_queued_requests, entry
+
+
+def test_a_bad_queue_bound_fails_the_build() -> None:
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="max_queued_requests must be >= 1 or -1"):
+            build_app_with_options({"max_queued_requests": bad})

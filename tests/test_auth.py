@@ -1,0 +1,110 @@
+"""API keys without Ray: the real `deployments.auth.require_api_key` middleware on a FastAPI app, driven by a table
+of adversarial `Authorization` headers, and the /healthz exemption by exact path only.
+
+(The served app with a keys file, through the `openai` client: tests/test_serve.py::test_api_keys_guard_every_route_but_healthz.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from fastapi import FastAPI  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from deployments import auth  # noqa: E402
+
+KEY, OTHER = "sk-test-Abc123_xyz", "sk-second-key-99"
+
+
+@pytest.fixture()
+def client():
+    app = FastAPI()
+    app.middleware("http")(auth.require_api_key)
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"data": []}
+
+    @app.get("/v1/models/healthz")  # a route whose path merely ends like the exempt one
+    def lookalike() -> dict:
+        return {"secret": True}
+
+    auth.set_keys(frozenset({KEY, OTHER}))
+    try:
+        yield TestClient(app)
+    finally:
+        auth.set_keys(frozenset())
+
+
+# Accepted: the scheme is case-insensitive (RFC 9110), whitespace around the token is the header's, not the key's.
+ACCEPTED = [f"Bearer {KEY}", f"bearer {KEY}", f"BEARER {KEY}", f"Bearer {OTHER}", f"Bearer {KEY} ", f"Bearer  {KEY}"]
+# Refused: each a realistic way a sloppy check lets a caller in.
+REFUSED = [
+    "",                              # present but empty
+    "Bearer",                        # scheme only
+    "Bearer ",                       # empty bearer
+    "Bearer   ",                     # blank bearer
+    KEY,                             # the key with no scheme
+    f"Basic {KEY}",                  # another scheme
+    f"Token {KEY}",
+    f"Bearer{KEY}",                  # no separator
+    f"Bearer {KEY[:-1]}",            # a prefix of a key
+    f"Bearer {KEY[:4]}",             # a short prefix ("sk-t")
+    f"Bearer {KEY}x",                # an extension of a key
+    f"Bearer x{KEY}",
+    f"Bearer {KEY.upper()}",         # keys are case-sensitive
+    f"Bearer {KEY} {OTHER}",         # two keys in one header
+    f"Bearer {KEY},Bearer {OTHER}",
+    f"Bearer {KEY}{OTHER}",          # two keys run together
+    f"Bearer\t{KEY}",                # a tab is not the separator
+    f"X Bearer {KEY}",
+]
+
+
+@pytest.mark.parametrize("header", ACCEPTED)
+def test_a_known_bearer_key_passes(client: TestClient, header: str) -> None:
+    r = client.get("/v1/models", headers={"Authorization": header})
+    assert r.status_code == 200, (header, r.text)
+
+
+@pytest.mark.parametrize("header", REFUSED)
+def test_adversarial_authorization_headers_get_a_401_in_openai_shape(client: TestClient, header: str) -> None:
+    """Catches a check that tests a prefix, `in`, a lowercased key, a missing scheme test, or `any` over an empty
+    token."""
+    r = client.get("/v1/models", headers={"Authorization": header})
+    assert r.status_code == 401, (header, r.text)
+    assert r.headers["www-authenticate"] == "Bearer"
+    err = r.json()["error"]
+    assert err["type"] == "authentication_error" and "API key" in err["message"]
+    assert KEY not in r.text and OTHER not in r.text  # a key never echoes back
+
+
+def test_non_ascii_and_binary_tokens_are_refused_not_crashed(client: TestClient) -> None:
+    """`hmac.compare_digest` raises TypeError on non-ASCII `str`: a header with a latin-1 byte must be a 401, not a
+    500."""
+    for raw in (b"Bearer \xe9t\xe9", b"Bearer " + KEY.encode() + b"\xff", b"Bearer \x00"):
+        r = client.get("/v1/models", headers=[(b"authorization", raw)])
+        assert r.status_code == 401, (raw, r.status_code, r.text)
+
+
+def test_only_the_exact_healthz_path_skips_the_key(client: TestClient) -> None:
+    """A path that merely ends in /healthz must not skip the check (it did: `endswith`)."""
+    assert client.get("/healthz").status_code == 200
+    r = client.get("/v1/models/healthz")
+    assert r.status_code == 401 and "secret" not in r.text
+    assert client.get("/v1/models/healthz", headers={"Authorization": f"Bearer {KEY}"}).json() == {"secret": True}
+    assert client.get("/v1/models").status_code == 401  # no header at all
+
+
+def test_no_keys_means_no_check() -> None:
+    app = FastAPI()
+    app.middleware("http")(auth.require_api_key)
+    app.get("/v1/models")(lambda: {"data": []})
+    auth.set_keys(frozenset())
+    assert TestClient(app).get("/v1/models").status_code == 200
