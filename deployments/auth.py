@@ -30,8 +30,8 @@ def _authorized(header: str) -> bool:
     scheme, _, token = header.partition(" ")
     # compare_digest against every key: the time taken does not tell how much of a key matched. Bytes, since on str
     # it raises for non-ASCII text, which a header decoded as latin-1 may hold.
-    given = token.strip().encode("utf-8", "surrogateescape")
-    matches = [hmac.compare_digest(given, k.encode("utf-8")) for k in _keys]
+    given = token.strip().encode()
+    matches = [hmac.compare_digest(given, k.encode()) for k in _keys]
     return scheme.lower() == "bearer" and any(matches)
 
 

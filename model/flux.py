@@ -13,10 +13,7 @@ timestep/guidance/text embedders and the final `AdaLayerNormContinuous`.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -41,9 +38,7 @@ from kernels.fp8 import Fp8Linear, convertible, fp8_refusal, linear_cat_gelu
 from kernels.gelu import unmark_fused_gelu_site
 from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site, norm_fp8, set_norm_fp8
 from kernels.rope import rms_rope_cat
-
-if TYPE_CHECKING:
-    from model.graphs import StepGraphs
+from model.execution import StepExecution, execution_of
 
 logger = logging.get_logger(__name__)
 
@@ -54,10 +49,6 @@ IN_PLACE = switches.register("single_block_in_place", True,
 
 __all__ = [
     "FluxTransformer",
-    "StepExecution",
-    "FirstBlockCache",
-    "running",
-    "execution_of",
     "set_attention8",
     "attention8_sites",
     "FluxTransformerBlock",
@@ -503,78 +494,6 @@ def run_single_block(
 ) -> torch.Tensor:
     """One single block on the joint sequence (see `run_double_block`)."""
     return block.forward_joint(joint, temb, image_rotary_emb)
-
-
-class FirstBlockCache:
-    """A step cache for one batch (First-Block-Cache): when the first double block's residual changed by less than
-    `threshold` (mean absolute change over mean magnitude) since the last fully computed step, skip every other
-    block and reuse that step's image residual of the skipped blocks. Not bit-exact (high tier only).
-
-    The decision reads one scalar per step back to the host, so a step with the cache is never one CUDA graph: the
-    embeddings and the first block run eager, and the blocks after it are their own graph (see `_cached_step`).
-    """
-
-    def __init__(self, threshold: float) -> None:
-        if not threshold >= 0:
-            raise ValueError(f"step cache threshold must be >= 0, got {threshold!r}")
-        self.threshold = float(threshold)
-        self.computed = 0  # steps that ran every block
-        self.skipped = 0  # steps that reused the cached residual
-        self._first_residual: torch.Tensor | None = None
-        self._rest_residual: torch.Tensor | None = None
-
-    def can_skip(self, first_residual: torch.Tensor) -> bool:
-        prev = self._first_residual
-        if prev is None or self._rest_residual is None or prev.shape != first_residual.shape:
-            return False
-        change = (first_residual - prev).abs().mean() / prev.abs().mean().clamp_min(1e-12)
-        return bool(change < self.threshold)
-
-    def skip(self, after_first: torch.Tensor) -> torch.Tensor:
-        """A skipped step's image hidden states: the first block's output plus the cached rest residual."""
-        self.skipped += 1
-        return after_first + self._rest_residual
-
-    def store(self, first_residual: torch.Tensor, rest_residual: torch.Tensor) -> None:
-        """A computed step: its first-block residual and the residual of every block after it."""
-        self.computed += 1
-        self._first_residual, self._rest_residual = first_residual, rest_residual
-
-
-@dataclass(frozen=True)
-class StepExecution:
-    """How one batch runs a transformer's forward: compiled block runners (double, single) and/or CUDA-graph
-    replay (a `model.graphs.StepGraphs`). None of it is stored on the model: `running` scopes it to the calling
-    thread for one batch, so two threads (or a finished batch) never see another batch's choice."""
-
-    transformer: nn.Module
-    block_runners: tuple[Any, Any] | None = None
-    step_graphs: StepGraphs | None = None
-    step_cache: FirstBlockCache | None = None
-
-
-_EXECUTION: ContextVar[StepExecution | None] = ContextVar("fluxserve_step_execution", default=None)
-
-
-@contextmanager
-def running(transformer: nn.Module, *, block_runners: tuple[Any, Any] | None = None,
-            step_graphs: StepGraphs | None = None,
-            step_cache: FirstBlockCache | None = None) -> Iterator[StepExecution]:
-    """Run `transformer`'s forwards in this thread with these block runners / step graphs / step cache until the
-    block ends."""
-    if block_runners is not None and step_graphs is not None:
-        raise ValueError("compiled block runners never replay CUDA graphs: pass one or the other")
-    token = _EXECUTION.set(StepExecution(transformer, block_runners, step_graphs, step_cache))
-    try:
-        yield _EXECUTION.get()
-    finally:
-        _EXECUTION.reset(token)
-
-
-def execution_of(transformer: nn.Module) -> StepExecution | None:
-    """The execution `running` set for `transformer` in this thread, or None (eager blocks, no graphs)."""
-    ex = _EXECUTION.get()
-    return ex if ex is not None and ex.transformer is transformer else None
 
 
 class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, AttentionMixin):

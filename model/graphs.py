@@ -129,7 +129,7 @@ class _CapturedStep:
 class StepGraphs:
     """CUDA graphs of one transformer's forward, an LRU of at most `max_graphs` signatures sharing one memory pool.
 
-    Pass to `model.flux.running(transformer, step_graphs=...)`; the forward then calls
+    Pass to `model.execution.running(transformer, step_graphs=...)`; the forward then calls
     `self(module, module._forward_eager, kwargs)`.
     Falls back to the eager forward (never capturing) for CPU tensors, autograd, torch.compile tracing, a capture
     already in progress, a diffusers cache, LoRA/PEFT layers, `joint_attention_kwargs`,

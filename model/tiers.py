@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import kernels
 from kernels.modulate import set_fast_norm
-from model.flux import FirstBlockCache, running, set_attention8
+from model.execution import FirstBlockCache, running
+from model.flux import set_attention8
 from model.request import Quality
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class TierPlan:
     # and q/k/v (+ the single block's MLP up-projection) as one GEMM each.
     fp8: bool = False
     fused_projections: bool = False
-    # First-Block-Cache threshold (model.flux.FirstBlockCache), a fresh cache per batch; None: every step computed.
+    # First-Block-Cache threshold (model.execution.FirstBlockCache), a fresh cache per batch; None: every step computed.
     step_cache: float | None = None
 
     def __post_init__(self) -> None:
@@ -57,7 +58,7 @@ def plan_tier(quality: Quality, *, fast_norm: bool = False, attention8: bool = F
               step_cache: float | None = None) -> TierPlan:
     """The plan of one batch: `high` mounts the GELU sites (unless fp8 layers take the GELU) and takes the opt-ins
     it is given; `lossless` none of them. CUDA graphs apply to either tier, except inside a compiled batch (a
-    step-cache batch replays the blocks after the first from a graph: `model.flux.FirstBlockCache`).
+    step-cache batch replays the blocks after the first from a graph: `model.execution.FirstBlockCache`).
     fp8 / fused_projections describe the transformer's form: a lossless plan for a converted transformer raises."""
     high = quality == "high"
     cache = step_cache if high else None
@@ -76,7 +77,7 @@ class TierReport:
     fast_norm_sites: int = 0
     attention8_sites: int = 0
     mount_report: Any = None  # kernels.MountReport of the GELU mount, when the plan mounts
-    step_cache: Any = None  # the batch's model.flux.FirstBlockCache (its computed / skipped step counts)
+    step_cache: Any = None  # the batch's model.execution.FirstBlockCache (its computed / skipped step counts)
 
 
 def _restore_lossless(transformer: torch.nn.Module) -> None:

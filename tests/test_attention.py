@@ -179,7 +179,7 @@ def test_the_lossless_plan_refuses_attention8_and_the_high_plan_takes_it() -> No
 
 def test_a_step_cache_batch_keeps_graphs_and_attention8(tiny_path: Path, monkeypatch) -> None:
     """A graphed pool took attention8 on the graphs' account; a step-cache batch there still replays the blocks
-    after the first from a graph (`model.flux.FirstBlockCache`), so it keeps both, as a pool without graphs keeps
+    after the first from a graph (`model.execution.FirstBlockCache`), so it keeps both, as a pool without graphs keeps
     the attention8 it asked for."""
     cached = plan_tier("high", attention8=True, cuda_graphs=True, step_cache=0.1)
     assert (cached.attention8, cached.cuda_graphs, cached.step_cache) == (True, True, 0.1)

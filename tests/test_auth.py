@@ -80,8 +80,8 @@ def test_adversarial_authorization_headers_get_a_401_in_openai_shape(client: Tes
     r = client.get("/v1/models", headers={"Authorization": header})
     assert r.status_code == 401, (header, r.text)
     assert r.headers["www-authenticate"] == "Bearer"
-    err = r.json()["error"]
-    assert err["type"] == "authentication_error" and "API key" in err["message"]
+    assert r.json() == {"error": {"message": "missing or invalid API key (send Authorization: Bearer <key>)",
+                                  "type": "authentication_error", "param": None}}  # OpenAI's error shape
     assert KEY not in r.text and OTHER not in r.text  # a key never echoes back
 
 
@@ -100,6 +100,16 @@ def test_only_the_exact_healthz_path_skips_the_key(client: TestClient) -> None:
     assert r.status_code == 401 and "secret" not in r.text
     assert client.get("/v1/models/healthz", headers={"Authorization": f"Bearer {KEY}"}).json() == {"secret": True}
     assert client.get("/v1/models").status_code == 401  # no header at all
+
+
+def test_the_exemption_is_relative_to_the_mount_point(client: TestClient) -> None:
+    """Under a route prefix (Serve passes it as the ASGI root_path) /healthz is the prefix's; a path that only
+    ends in it is not exempt, nor is /healthz outside the prefix."""
+    mounted = TestClient(client.app, root_path="/api")
+    assert mounted.get("/api/healthz").status_code == 200
+    assert mounted.get("/api/v1/models/healthz").status_code == 401
+    assert mounted.get("/api/v1/models").status_code == 401
+    assert mounted.get("/api/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
 def test_no_keys_means_no_check() -> None:

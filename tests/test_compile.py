@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from deployments.config import AppArgs
-from model.flux import execution_of
+from model.execution import execution_of
 from model.loading import diffusers_reference, load_pipeline
 from model.pipeline import FluxServePipeline, GenerationRequest, run_flux_pipeline
 

@@ -22,6 +22,7 @@ from torch import nn
 
 import kernels
 import kernels.fp8 as fp8
+import model.execution as execution
 import model.flux as flux_mod
 from deployments.config import AppArgs
 from kernels.modulate import layer_norm_modulate, norm_fp8
@@ -404,7 +405,7 @@ def test_a_converted_model_traces_whole_under_torch_compile(fp8_on_cpu) -> None:
     torch._dynamo.reset()
     with torch.no_grad():
         eager = m(**inputs)[0]
-        with flux_mod.running(m, block_runners=_compiled_runners(backend="aot_eager", fullgraph=True)):
+        with execution.running(m, block_runners=_compiled_runners(backend="aot_eager", fullgraph=True)):
             compiled = m(**inputs)[0]
         for layer in m.modules():  # eager with the AdaLN rows quantized too: the compiled form's arithmetic
             if isinstance(layer, fp8.Fp8Linear):
@@ -747,7 +748,7 @@ def test_gpu_compiled_fp8_blocks_stay_close_to_the_eager_fp8_form() -> None:
     torch._dynamo.reset()
     with torch.no_grad():
         eager = m(**inputs)[0]
-        with flux_mod.running(m, block_runners=_compiled_runners(fullgraph=True)):
+        with execution.running(m, block_runners=_compiled_runners(fullgraph=True)):
             compiled = m(**inputs)[0]
     # The AdaLN rows quantized (not in eager) and Inductor's reduction orders, amplified by random weights at this
     # width: measured 0.081 (eager fp8 against its own emulation: 0.052, above); a misplaced GELU or a swapped
@@ -804,8 +805,8 @@ def test_step_cache_reuses_the_rest_residual_when_the_first_block_barely_changed
     with torch.no_grad():
         full = m(**inputs)[0]
         calls.count = 0
-        cache = flux_mod.FirstBlockCache(threshold=0.05)
-        with flux_mod.running(m, step_cache=cache):
+        cache = execution.FirstBlockCache(threshold=0.05)
+        with execution.running(m, step_cache=cache):
             first = m(**inputs)[0]  # computed: nothing cached yet
             same = m(**inputs)[0]  # same inputs: first residual unchanged -> skipped
             moved = m(**{**inputs, "hidden_states": inputs["hidden_states"] * 3})[0]  # a large change: computed
@@ -841,8 +842,8 @@ def test_a_skipped_step_reuses_the_latest_computed_steps_residual() -> None:
     with torch.no_grad():
         taps = _Taps(m)
         full = [m(**x)[0] for x in sequence]  # every block, no cache
-        cache = flux_mod.FirstBlockCache(threshold=0.05)
-        with flux_mod.running(m, step_cache=cache):
+        cache = execution.FirstBlockCache(threshold=0.05)
+        with execution.running(m, step_cache=cache):
             cached = []
             for x in sequence:
                 before = cache.skipped
@@ -881,8 +882,8 @@ def test_step_cache_hands_only_the_blocks_after_the_first_to_the_step_graphs() -
     moved = {**inputs, "hidden_states": inputs["hidden_states"] * 3}
     outs = {}
     for graphed in (False, True):
-        cache, graphs = flux_mod.FirstBlockCache(threshold=0.05), _RecordingGraphs()
-        with torch.no_grad(), flux_mod.running(m, step_cache=cache, step_graphs=graphs if graphed else None):
+        cache, graphs = execution.FirstBlockCache(threshold=0.05), _RecordingGraphs()
+        with torch.no_grad(), execution.running(m, step_cache=cache, step_graphs=graphs if graphed else None):
             outs[graphed] = [m(**x)[0] for x in (inputs, inputs, moved)]
         assert (cache.computed, cache.skipped) == (2, 1)
     rest = ("_blocks_after_first", ("encoder_hidden_states", "hidden_states", "rope_cos", "rope_sin", "temb"))
@@ -895,8 +896,8 @@ def test_step_cache_threshold_zero_never_skips_and_the_lossless_plan_refuses_it(
 
     m = _model()
     inputs = _inputs(1)
-    cache = flux_mod.FirstBlockCache(0.0)
-    with torch.no_grad(), flux_mod.running(m, step_cache=cache):
+    cache = execution.FirstBlockCache(0.0)
+    with torch.no_grad(), execution.running(m, step_cache=cache):
         outs = [m(**inputs)[0] for _ in range(3)]
     assert (cache.computed, cache.skipped) == (3, 0) and all(torch.equal(o, outs[0]) for o in outs)
     assert plan_tier("lossless", step_cache=0.1).step_cache is None
@@ -905,7 +906,7 @@ def test_step_cache_threshold_zero_never_skips_and_the_lossless_plan_refuses_it(
     with pytest.raises(ValueError, match="lossless plan"):
         TierPlan("lossless", step_cache=0.1)
     with pytest.raises(ValueError, match=">= 0"):
-        flux_mod.FirstBlockCache(-1)
+        execution.FirstBlockCache(-1)
 
 
 def test_pipeline_step_cache_counts_skipped_steps(tiny_path: Path) -> None:

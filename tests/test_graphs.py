@@ -23,7 +23,8 @@ import kernels
 import kernels.gelu as G
 import model.graphs as graphs_mod
 from deployments.config import AppArgs
-from model.flux import FluxTransformer, execution_of, run_double_block, run_single_block, running
+from model.execution import execution_of, running
+from model.flux import FluxTransformer, run_double_block, run_single_block
 from model.graphs import StepGraphs
 from model.loading import load_pipeline
 from model.pipeline import GenerationRequest

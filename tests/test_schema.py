@@ -280,23 +280,6 @@ def test_edit_form_step_cache() -> None:
         validate_edit({"prompt": "a", "step_cache": "0.2"}, files, ARGS, MODEL)
 
 
-def test_file_store_expires_and_evicts_the_oldest() -> None:
-    from deployments.files import FileStore
-
-    now = [0.0]
-    store = FileStore(ttl_s=10, max_bytes=10, clock=lambda: now[0])
-    a = store.put(b"aaaa", "image/png")
-    b = store.put(b"bbbb", "image/jpeg")
-    assert store.get(a) == (b"aaaa", "image/png") and store.get(b) == (b"bbbb", "image/jpeg")
-    c = store.put(b"cccc", "image/png")  # 12 bytes > 10: the oldest goes
-    assert store.get(a) is None and store.get(b) is not None and store.get(c) is not None
-    assert len({a, b, c}) == 3 and len(a) >= 24  # random, unguessable ids
-    now[0] = 10.0  # b and c expire together (same ttl)
-    assert store.get(b) is None and store.get(c) is None
-    with pytest.raises(ValueError, match="does not fit"):
-        store.put(b"x" * 11, "image/png")
-
-
 LORA_ARGS = AppArgs.parse({**RAW_ARGS, "loras": {n: f"/models/{n}.safetensors" for n in "abcde"}})
 
 

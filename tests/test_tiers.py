@@ -8,7 +8,8 @@ import torch
 import kernels
 from kernels import gelu as G
 from kernels.modulate import fast_norm_sites
-from model.flux import FluxTransformer, execution_of, run_double_block, run_single_block
+from model.execution import execution_of
+from model.flux import FluxTransformer, run_double_block, run_single_block
 from model.tiers import TierPlan, applied_tier, plan_tier
 
 SMALL = dict(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=32, num_attention_heads=4,

@@ -1,0 +1,137 @@
+"""Mutation testing of the modules that carry the contract, each against its own fast test subset (mutmut 3).
+
+    .venv/bin/python tests/mutate.py                 # every module below
+    .venv/bin/python tests/mutate.py deployments/auth.py model/preview.py
+    .venv/bin/python tests/mutate.py --list          # the modules and their test subsets
+
+Each module runs in a copy of the checkout (git's tracked and untracked files) under a temporary folder, so runs of
+different modules never share mutmut's `mutants/` state and the checkout stays clean. For each module it writes
+`<out>/<module>.json`: mutmut's counts and, for every mutant that survived, its name and diff, for triage in the
+report (`bench/results/mutation-<date>.md`). Not part of CI: a full run takes hours on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# module -> the tests that exercise it quickly (pytest node ids or files). mutmut runs, for each mutant, only the
+# tests of this list that called the mutated function.
+MODULES: dict[str, list[str]] = {
+    "deployments/schema.py": ["tests/test_schema.py"],
+    "deployments/auth.py": ["tests/test_auth.py"],
+    "deployments/files.py": ["tests/test_files.py"],
+    "deployments/engine.py": ["tests/test_engine.py"],
+    "model/preview.py": ["tests/test_preview.py",
+                         "tests/test_pipeline.py::test_previews_leave_the_image_unchanged_and_come_after_their_steps",
+                         "tests/test_pipeline.py::test_preview_steps_spread_and_bounds",
+                         "tests/test_pipeline.py::test_preview_map_recovers_colours_of_a_picture_it_was_not_fitted_on"],
+    "model/tiers.py": ["tests/test_tiers.py"],
+    "model/execution.py": ["tests/test_fp8.py", "tests/test_graphs.py", "tests/test_tiers.py"],
+    "model/pipeline.py": ["tests/test_edits.py", "tests/test_lora.py", "tests/test_preview.py"],
+    "kernels/fp8.py": ["tests/test_fp8.py"],
+    "kernels/residual.py": ["tests/test_kernels.py"],
+    "kernels/modulate.py": ["tests/test_flux_lossless.py"],
+    "kernels/rope.py": ["tests/test_flux_lossless.py"],
+    "kernels/gelu.py": ["tests/test_kernels.py"],
+    "tp/layers.py": ["tests/test_tp.py"],
+}
+
+# Lines no test should pin: log calls (their wording is for people) and type-checking-only imports.
+IGNORED_LINES = [r"^\s*logger\.(debug|info|warning|exception)\(", r"^\s*logging\.getLogger"]
+
+
+def _copy_checkout(dest: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           check=True, capture_output=True).stdout.split(b"\0")
+    for name in filter(None, files):
+        src = ROOT / name.decode()
+        if src.is_file():
+            (dest / name.decode()).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name.decode())
+
+
+def _config(module: str, tests: list[str]) -> str:
+    package = module.split("/")[0]
+    others = sorted({m.split("/")[0] for m in MODULES} | {"model", "kernels", "tp", "deployments"} - {package})
+
+    def lines(values: list[str]) -> str:
+        return "".join(f"\n    {v}" for v in values)
+
+    return ("[mutmut]\n"
+            f"source_paths={package}\n"
+            f"only_mutate={module}\n"
+            f"pytest_add_cli_args_test_selection={lines(tests)}\n"
+            "pytest_add_cli_args=\n    -p\n    no:cacheprovider\n    -q\n"
+            f"also_copy={lines(others)}\n"
+            f"do_not_mutate_patterns={lines(IGNORED_LINES)}\n"
+            # torch and Ray are not safe to fork after their setup: workers fork from a server that only imported
+            "process_isolation=forkserver\n")
+
+
+def run_module(module: str, out: Path, mutmut: str) -> dict:
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="fluxserve-mutate-") as tmp:
+        work = Path(tmp)
+        _copy_checkout(work)
+        # mutmut reads [tool.mutmut] from pyproject.toml before setup.cfg: keep the copy's pyproject free of it
+        (work / "setup.cfg").write_text(_config(module, MODULES[module]))
+        log = out / (module.replace("/", ".") + ".log")
+        with open(log, "w") as fh:
+            subprocess.run([mutmut, "run"], cwd=work, stdout=fh, stderr=subprocess.STDOUT,
+                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+        subprocess.run([mutmut, "export-cicd-stats"], cwd=work, capture_output=True)
+        stats_file = work / "mutants" / "mutmut-cicd-stats.json"
+        stats = json.loads(stats_file.read_text()) if stats_file.exists() else {"error": f"no stats; see {log}"}
+        listed = subprocess.run([mutmut, "results"], cwd=work, capture_output=True, text=True).stdout
+        survivors = []
+        for line in listed.splitlines():
+            name, _, status = line.strip().rpartition(": ")
+            if name:
+                diff = subprocess.run([mutmut, "show", name], cwd=work, capture_output=True, text=True).stdout
+                survivors.append({"name": name, "status": status,
+                                  "diff": [d for d in diff.splitlines()
+                                           if d[:1] in "+-" and not d.startswith(("+++", "---"))]})
+    result = {"module": module, "tests": MODULES[module], "seconds": round(time.time() - t0), **stats,
+              "not_killed": survivors}
+    (out / (module.replace("/", ".") + ".json")).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("modules", nargs="*", help="modules to mutate (default: all of MODULES)")
+    ap.add_argument("--out", default=str(ROOT / "out" / "mutation"), help="folder for the per-module JSON and logs")
+    ap.add_argument("--list", action="store_true", help="print the modules and their test subsets")
+    a = ap.parse_args(argv)
+    if a.list:
+        for module, tests in MODULES.items():
+            print(f"{module}: {' '.join(tests)}")
+        return 0
+    unknown = [m for m in a.modules if m not in MODULES]
+    if unknown:
+        ap.error(f"unknown module(s) {unknown}; known: {sorted(MODULES)}")
+    mutmut = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or shutil.which("mutmut")
+    if mutmut is None:
+        ap.error("mutmut is not installed: pip install -e '.[test]'")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for module in a.modules or list(MODULES):
+        r = run_module(module, out, mutmut)
+        total = r.get("total", 0)
+        killed = r.get("killed", 0)
+        print(f"{module}: {killed}/{total} killed, {len(r['not_killed'])} not killed, {r['seconds']} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
