@@ -54,8 +54,9 @@ class FileStore:
         self._bytes -= len(self._files.pop(file_id)[2])
 
 
+# mutmut cannot wrap the methods of a class that Serve has wrapped (the logic is FileStore's): not mutated
 @serve.deployment(num_replicas=1, max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})
-class ImageFiles:
+class ImageFiles:  # pragma: no mutate block
     def __init__(self, ttl_s: float, max_bytes: int) -> None:
         self.store = FileStore(ttl_s, max_bytes)
 

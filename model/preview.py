@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 MAX_PARTIAL_IMAGES = 3
 _FIT_SIDE = 256  # side of the synthetic picture the fit encodes (32x32 latents per picture at 8x)
+_FIT_SEEDS = (0, 1)  # the synthetic pictures the fit encodes
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class LatentPreviewer:
 
         vae = self.pipe.vae
         factor = self.pipe.vae_scale_factor
-        pictures = torch.stack([_fit_picture(_FIT_SIDE, seed) for seed in (0, 1)])
+        pictures = torch.stack([_fit_picture(_FIT_SIDE, seed) for seed in _FIT_SEEDS])
         with torch.no_grad():
             dist = vae.encode(pictures.to(vae.device, vae.dtype)).latent_dist
             # the pipeline's latent space: (z - shift) * scaling, as FluxPipeline prepares and decodes it

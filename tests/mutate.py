@@ -30,7 +30,7 @@ MODULES: dict[str, list[str]] = {
     "deployments/schema.py": ["tests/test_schema.py"],
     "deployments/auth.py": ["tests/test_auth.py"],
     "deployments/files.py": ["tests/test_files.py"],
-    "deployments/engine.py": ["tests/test_engine.py"],
+    "deployments/engine.py": ["tests/test_engine.py", "tests/test_compile.py"],
     "model/preview.py": ["tests/test_preview.py",
                          "tests/test_pipeline.py::test_previews_leave_the_image_unchanged_and_come_after_their_steps",
                          "tests/test_pipeline.py::test_preview_steps_spread_and_bounds",
@@ -62,7 +62,7 @@ def _copy_checkout(dest: Path) -> None:
 
 def _config(module: str, tests: list[str]) -> str:
     package = module.split("/")[0]
-    others = sorted({m.split("/")[0] for m in MODULES} | {"model", "kernels", "tp", "deployments"} - {package})
+    others = sorted(({m.split("/")[0] for m in MODULES} | {"model", "kernels", "tp", "deployments"}) - {package})
 
     def lines(values: list[str]) -> str:
         return "".join(f"\n    {v}" for v in values)

@@ -137,3 +137,66 @@ def test_a_rank_that_fails_its_ping_fails_the_health_check_for_good(ping: str, m
         _run(e.check_health())
     with pytest.raises(PoolUnavailable, match="health check"):
         _run(e.generate(JOB, lambda: False))
+
+
+# -- LocalEngine (tp == 1), in this process ------------------------------------------------------------------------
+
+@pytest.fixture()
+def threads():
+    """LocalEngine sets torch's thread count for its replica process: give it back to the test session after."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _local(tiny_path, pool: str, graphs: bool = False, **raw: Any) -> engine_mod.LocalEngine:
+    from dataclasses import replace
+
+    args = AppArgs.parse({"model": str(tiny_path), **raw})
+    if graphs:  # the config allows CUDA graphs on a cuda device only; the engine's wiring is the same on the CPU
+        args.pools[pool] = replace(args.pools[pool], cuda_graphs=True)
+    return engine_mod.LocalEngine(args, pool)
+
+
+def test_the_local_engine_serves_the_pools_settings(tiny_path, threads, caplog) -> None:
+    """The high pool's settings reach its pipeline (fast norms, 8-bit attention, the step cache threshold, the
+    converted form with fp8 refused on the CPU and logged, CUDA graphs asked for); the lossless pool's pipeline is
+    left as loaded. A batch runs through `generate`, health is a no-op, stats report the form and the graphs."""
+    import torch
+
+    high = _local(tiny_path, "high", pools={"high": {"fp8": True, "fused_projections": True, "fast_norm": True,
+                                                     "attention8": False, "step_cache_threshold": 0.25,
+                                                     "cpu_threads": 2}},
+                  graphs=True)
+    p = high.pipe
+    assert (p.high_fast_norm, p.high_attention8, p.high_step_cache) == (True, False, 0.25)
+    assert (p.fused_projections, p.fp8) == (True, False) and torch.get_num_threads() == 2
+    form = high.stats()["high_form"]
+    assert form["fused_projections"] and not form["fp8"] and "CUDA" in form["fp8_refused"], form
+    assert any("fp8 refused" in r.getMessage() and "pool=high" in r.getMessage() for r in caplog.records)
+    assert high.stats()["cuda_graphs"] == p.step_graphs.stats() and p.cuda_graphs_enabled
+    job = [GenerationRequest("a red fox", height=64, width=64, steps=2, seed=1, quality="high")]
+    (result,) = _run(high.generate(job, lambda: False))
+    assert result.quality == "high" and result.png.startswith(b"\x89PNG") and result.timings["cached_steps"] >= 0
+    assert _run(high.check_health()) is None and high.actor_names() == []
+    high.release_memory()
+
+    lossless = _local(tiny_path, "lossless", pools={"lossless": {"cpu_threads": 1}})
+    assert lossless.stats() == {"cuda_graphs": None, "high_form": None}
+    assert (lossless.pipe.fp8, lossless.pipe.fused_projections, lossless.pipe.high_step_cache) == (False, False, None)
+    assert torch.get_num_threads() == 1
+
+
+def test_the_local_engine_loads_and_fuses_adapters(tiny_path, threads, tmp_path) -> None:
+    from model.loading import load_pipeline
+    from tests._inputs import write_random_lora
+
+    ink = str(write_random_lora(load_pipeline(str(tiny_path)).transformer, tmp_path / "ink.safetensors", 1))
+    for pool in ("lossless", "high"):
+        e = _local(tiny_path, pool, loras={"ink": ink})
+        assert e.pipe.loras == {"ink": ink} and e.stats()["high_form"] is None  # adapters keep the high pool bf16
+    fused = _local(tiny_path, "high", loras={"ink": ink}, fuse_lora=True)
+    assert fused.pipe.fused_lora == ("ink", 1.0) and fused.pipe.loras == {}
+    assert fused.stats()["high_form"]["fused_projections"]  # converted after the merge (fp8 refused on the CPU)

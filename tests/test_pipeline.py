@@ -620,10 +620,12 @@ def test_preview_map_recovers_colours_of_a_picture_it_was_not_fitted_on(tiny_pip
     broken fit (wrong layout or scaling) scores about zero."""
     import torch.nn.functional as F
 
-    from model.preview import _fit_picture, previewer_of
+    from model.preview import _fit_picture
+
+    from model.preview import LatentPreviewer
 
     pipe = tiny_pipe.pipe
-    w = previewer_of(pipe).weights()
+    w = LatentPreviewer(pipe).weights()  # fitted here, not taken from a cache an earlier test filled
     picture = _fit_picture(256, seed=7)[None]
     with torch.no_grad():
         z = (pipe.vae.encode(picture).latent_dist.mean - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor

@@ -101,3 +101,45 @@ def test_the_pipeline_previews_at_the_sigmas_the_transformer_ran_at(tiny_pipe, m
         estimate = packed - sigma * (packed - previous) / (sigma - sigma_prev)
         truth = seen[i]["x"] - seen[i]["sigma"] * seen[i]["v"]
         assert torch.allclose(estimate, truth, rtol=1e-3, atol=1e-4), (estimate - truth).abs().max()
+
+
+def test_a_preview_maps_latent_channels_to_pixels_as_its_weights_say() -> None:
+    """Absolute, not relative: with latent channels 0, 1, 2 as R, G, B and no bias, the preview of latents z is
+    round((clamp(z, -1, 1) + 1) * 127.5) per latent position, resized bilinearly to the image (PIL's own resize as
+    the reference). Catches a wrong bias row, range, rounding, clamp or resampling filter, which a comparison of two
+    previews made by the same code would share."""
+    from diffusers import FluxPipeline
+
+    g = torch.Generator().manual_seed(3)
+    packed = 1.3 * torch.randn(1, 16, 64, generator=g)  # some values beyond [-1, 1]
+    p = _previewer()
+    p._weights[16] = torch.tensor([0.25, -0.5, 0.0])  # a bias: added, to the RGB of every position
+    got = _pixels(p.pngs(packed, None, 0.0, 0.0, H, W)[0])
+    z = FluxPipeline._unpack_latents(packed, H, W, 8)[0]  # [16, 8, 8]
+    rgb = z[:3].permute(1, 2, 0) + torch.tensor([0.25, -0.5, 0.0])
+    small = ((rgb.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+    expected = np.asarray(Image.fromarray(small, "RGB").resize((W, H), Image.BILINEAR)).astype(int)
+    assert np.array_equal(got, expected)
+
+
+def test_the_fit_is_made_in_the_pipelines_latent_space_and_once(tiny_pipe) -> None:
+    """FluxPipeline decodes latents as vae.decode(z / scaling + shift): the fit must map z = (mean - shift) * scaling.
+    A least-squares fit with a bias leaves zero mean error on its own pictures only in the space it was fitted in,
+    so a shift or scale applied the wrong way shows as a colour offset (the tiny VAE has FLUX's factors). And the
+    previewer is fitted once per pipeline (`previewer_of` caches it)."""
+    import torch.nn.functional as F
+
+    from model.preview import _FIT_SEEDS, _FIT_SIDE, _fit_picture, previewer_of
+
+    pipe = tiny_pipe.pipe
+    cfg = pipe.vae.config
+    assert (cfg.shift_factor, cfg.scaling_factor) != (0.0, 1.0)
+    w = LatentPreviewer(pipe).weights()
+    pictures = torch.stack([_fit_picture(_FIT_SIDE, s) for s in _FIT_SEEDS])
+    with torch.no_grad():
+        z = (pipe.vae.encode(pictures).latent_dist.mean - cfg.shift_factor) * cfg.scaling_factor
+    rgb = torch.einsum("bchw,cd->bdhw", z.float(), w[:-1]) + w[-1][None, :, None, None]
+    offset = (rgb - F.avg_pool2d(pictures, 8)).mean(dim=(0, 2, 3))
+    assert offset.abs().max() < 1e-3, offset
+    first = previewer_of(pipe)
+    assert previewer_of(pipe) is first and first.weights() is first.weights()

@@ -28,45 +28,49 @@ def _validate(args: AppArgs = ARGS, **body: Any):
     return validate(ImageRequest(**{"prompt": "a red fox", **body}), args, MODEL)
 
 
-# (field, value just inside, value just outside, words the 400 must say)
+# (field, value just inside, value just outside, the 400's whole message: a reason a user reads, so pinned whole)
+SIZE_FORM = 'size must be "WxH" with integer W and H (e.g. "256x256"), got '
+LOSSLESS_CACHE = ("step_cache: the step cache is for the high pool only: skipped steps are not bit-exact, and the "
+                  "lossless pool must stay byte-identical to eager diffusers (this request asks for quality 'lossless')")
 BOUNDS = [
-    ("n", {"n": 1}, {"n": 0}, "n must be between 1 and 3"),
-    ("n", {"n": 3}, {"n": 4}, "n must be between 1 and 3"),
-    ("steps", {"steps": 2}, {"steps": 1}, "steps must be between 2 and 50"),
-    ("steps", {"steps": 50}, {"steps": 51}, "steps must be between 2 and 50"),
-    ("guidance", {"guidance": 0.0}, {"guidance": -1e-9}, "guidance must be between 0 and 12.0"),
-    ("guidance", {"guidance": 12.0}, {"guidance": 12.000001}, "guidance must be between 0 and 12.0"),
-    ("guidance", {"guidance": 12}, {"guidance": 13}, "guidance must be between 0 and 12.0"),
+    ("n", {"n": 1}, {"n": 0}, "n must be between 1 and 3, got 0"),
+    ("n", {"n": 3}, {"n": 4}, "n must be between 1 and 3, got 4"),
+    ("steps", {"steps": 2}, {"steps": 1}, "steps must be between 2 and 50, got 1"),
+    ("steps", {"steps": 50}, {"steps": 51}, "steps must be between 2 and 50, got 51"),
+    ("guidance", {"guidance": 0.0}, {"guidance": -1e-9}, "guidance must be between 0 and 12.0, got -1e-09"),
+    ("guidance", {"guidance": 12.0}, {"guidance": 12.000001}, "guidance must be between 0 and 12.0, got 12.000001"),
+    ("guidance", {"guidance": 12}, {"guidance": 13}, "guidance must be between 0 and 12.0, got 13.0"),
     ("prompt", {"prompt": "x" * 40}, {"prompt": "x" * 41}, "prompt is too long: 41 characters, at most 40"),
     ("prompt", {"prompt": " x "}, {"prompt": " \t\n"}, "prompt must not be empty"),
-    ("size", {"size": "64x64"}, {"size": "48x64"}, "too small: each side must be >= 64"),
-    ("size", {"size": "64x64"}, {"size": "64x48"}, "too small: each side must be >= 64"),
-    ("size", {"size": "1024x512"}, {"size": "1040x256"}, "too large: each side must be <= 1024"),
-    ("size", {"size": "512x1024"}, {"size": "256x1040"}, "too large: each side must be <= 1024"),
-    ("size", {"size": "1024x512"}, {"size": "1024x528"}, "at most 524288 pixels"),
-    ("size", {"size": "80x64"}, {"size": "72x64"}, "multiples of 16"),
-    ("size", {"size": "64x80"}, {"size": "64x72"}, "multiples of 16"),
-    ("size", {"size": "256x256"}, {"size": "256X256"}, 'size must be "WxH"'),
-    ("size", {"size": "256x256"}, {"size": " 256x256"}, 'size must be "WxH"'),
-    ("size", {"size": "256x256"}, {"size": "1234567x16"}, 'size must be "WxH"'),
-    ("seed", {"seed": 0}, {"seed": -1}, "seed must be between 0 and"),
-    ("seed", {"seed": SEED_MAX}, {"seed": SEED_MAX + 1}, f"seed must be between 0 and {SEED_MAX}"),
+    ("size", {"size": "64x64"}, {"size": "48x64"}, "size 48x64 is too small: each side must be >= 64"),
+    ("size", {"size": "64x64"}, {"size": "64x48"}, "size 64x48 is too small: each side must be >= 64"),
+    ("size", {"size": "1024x512"}, {"size": "1040x256"}, "size 1040x256 is too large: each side must be <= 1024"),
+    ("size", {"size": "512x1024"}, {"size": "256x1040"}, "size 256x1040 is too large: each side must be <= 1024"),
+    ("size", {"size": "1024x512"}, {"size": "1024x528"}, "size 1024x528 is too large: at most 524288 pixels"),
+    ("size", {"size": "80x64"}, {"size": "72x64"},
+     "size 72x64: width and height must be positive multiples of 16 (72 is not a positive multiple of 16)"),
+    ("size", {"size": "64x80"}, {"size": "64x72"},
+     "size 64x72: width and height must be positive multiples of 16 (72 is not a positive multiple of 16)"),
+    ("size", {"size": "256x256"}, {"size": "256X256"}, SIZE_FORM + "'256X256'"),
+    ("size", {"size": "256x256"}, {"size": " 256x256"}, SIZE_FORM + "' 256x256'"),
+    ("size", {"size": "256x256"}, {"size": "1234567x16"}, SIZE_FORM + "'1234567x16'"),
+    ("seed", {"seed": 0}, {"seed": -1}, f"seed must be between 0 and {SEED_MAX}, got -1"),
+    ("seed", {"seed": SEED_MAX}, {"seed": SEED_MAX + 1}, f"seed must be between 0 and {SEED_MAX}, got {SEED_MAX + 1}"),
     # n images take seeds seed .. seed + n - 1: the last one must still be a valid seed
     ("seed", {"seed": SEED_MAX - 2, "n": 3}, {"seed": SEED_MAX - 1, "n": 3},
-     f"seed must be between 0 and {SEED_MAX - 2}"),
-    ("timeout_s", {"timeout_s": 30}, {"timeout_s": 30.001}, "timeout_s must be > 0 and <= 30, got"),
-    ("timeout_s", {"timeout_s": 1e-6}, {"timeout_s": 0}, "timeout_s must be > 0 and <= 30, got"),
-    ("timeout_s", {"timeout_s": 1e-6}, {"timeout_s": -1}, "timeout_s must be > 0 and <= 30, got"),
-    ("quality", {"quality": "high"}, {"quality": "High"}, "unknown quality 'High'"),
+     f"seed must be between 0 and {SEED_MAX - 2}, got {SEED_MAX - 1}"),
+    ("timeout_s", {"timeout_s": 30}, {"timeout_s": 30.001}, "timeout_s must be > 0 and <= 30, got 30.001"),
+    ("timeout_s", {"timeout_s": 1e-6}, {"timeout_s": 0}, "timeout_s must be > 0 and <= 30, got 0"),
+    ("timeout_s", {"timeout_s": 1e-6}, {"timeout_s": -1}, "timeout_s must be > 0 and <= 30, got -1"),
+    ("quality", {"quality": "high"}, {"quality": "High"},
+     "unknown quality 'High'; expected one of ['lossless', 'high', 'auto', 'standard', 'hd']"),
     ("model", {"model": MODEL}, {"model": "dall-e-3"}, "unknown model 'dall-e-3'; this server serves 'tiny'"),
     ("step_cache", {"step_cache": 0.999, "quality": "high"}, {"step_cache": 1, "quality": "high"},
      "step_cache must be a number in [0, 1), got 1"),
     ("step_cache", {"step_cache": 0, "quality": "high"}, {"step_cache": -1e-9, "quality": "high"},
-     "step_cache must be a number in [0, 1)"),
-    ("step_cache", {"step_cache": 0.1, "quality": "high"}, {"step_cache": 0.1, "quality": "lossless"},
-     "step_cache: the step cache is for the high pool only"),
-    ("step_cache", {"step_cache": 0.1, "quality": "high"}, {"step_cache": 0.1},  # the default tier: lossless
-     "(this request asks for quality 'lossless')"),
+     "step_cache must be a number in [0, 1), got -1e-09"),
+    ("step_cache", {"step_cache": 0.1, "quality": "high"}, {"step_cache": 0.1, "quality": "lossless"}, LOSSLESS_CACHE),
+    ("step_cache", {"step_cache": 0.1, "quality": "high"}, {"step_cache": 0.1}, LOSSLESS_CACHE),  # the default tier
     ("partial_images", {"stream": True, "partial_images": 3}, {"stream": True, "partial_images": 4},
      "partial_images must be between 0 and 3, got 4"),
     ("partial_images", {"stream": True, "partial_images": 0}, {"stream": True, "partial_images": -1},
@@ -87,7 +91,7 @@ def test_each_bound_accepts_inside_and_names_the_field_outside(param: str, insid
     with pytest.raises(BadRequest) as exc:
         _validate(**outside)
     assert exc.value.param == param
-    assert message in exc.value.message, exc.value.message
+    assert exc.value.message == message
 
 
 def test_accepted_values_reach_the_jobs() -> None:
@@ -121,6 +125,12 @@ def test_defaults_come_from_the_config() -> None:
     assert (job.height, job.width, job.steps, job.guidance, job.quality) == (256, 256, 4, 3.5, "lossless")
     assert v.timeout_s == 30.0 and v.size == "256x256"
     assert 0 <= job.seed < 2**31  # a random seed when none is asked for, reported back through the job
+
+
+def test_random_seeds_are_31_bit_and_spread() -> None:
+    """A request without a seed gets one below 2**31 (any client stores it as an int32), drawn over that range."""
+    seeds = [_validate().jobs[0].seed for _ in range(64)]
+    assert all(0 <= s < 2**31 for s in seeds) and max(seeds) >= 2**30
 
 
 def test_random_seeds_differ_between_requests() -> None:
@@ -197,12 +207,10 @@ def test_output_format_and_compression_rules() -> None:
     v = _validate(output_format="jpeg", output_compression=0)
     assert (v.output_format, v.output_compression) == ("jpeg", 0)
     assert _validate(output_format="webp").output_compression == 100
-    for body, message in (({"output_format": "png", "output_compression": 50}, "jpeg and webp only"),
-                          ({"output_format": "jpeg", "output_compression": 101}, "between 0 and 100, got 101"),
-                          ({"output_format": "webp", "output_compression": -1}, "between 0 and 100, got -1")):
-        with pytest.raises(BadRequest) as exc:
-            _validate(**body)
-        assert exc.value.param == "output_compression" and message in exc.value.message
+    with pytest.raises(BadRequest) as exc:
+        _validate(output_format="png", output_compression=50)
+    assert exc.value.param == "output_compression"
+    assert exc.value.message == "output_compression applies to jpeg and webp only (png is lossless)"
 
 
 @pytest.mark.parametrize("body,field", [({"background": "transparent"}, "background"),
@@ -242,15 +250,19 @@ def test_stream_and_url_delivery_rules() -> None:
     assert _validate(stream=True).partial_images == 0
     assert _validate(response_format="url", n=2).response_format == "url"
     refused = [({"partial_images": 1}, "partial_images", "partial_images needs stream: true"),
-               ({"stream": True, "partial_images": -1}, "partial_images", "between 0 and 3"),
                ({"stream": True, "n": 2}, "n", "stream: true needs n == 1, got 2"),
-               ({"stream": True, "response_format": "url"}, "response_format", "streamed images are sent as b64_json")]
-    for body, param, words in refused:
+               ({"stream": True, "response_format": "url"}, "response_format",
+                "streamed images are sent as b64_json; response_format url is not streamed")]
+    for body, param, message in refused:
         with pytest.raises(BadRequest) as exc:
             _validate(**body)
-        assert exc.value.param == param and words in exc.value.message, body
-    with pytest.raises(BadRequest, match="keeps no images"):
+        assert (exc.value.param, exc.value.message) == (param, message), body
+    # a store that keeps images for any time at all serves URLs; 0 keeps none
+    assert _validate(replace(ARGS, image_url_ttl_s=0.5), response_format="url").response_format == "url"
+    with pytest.raises(BadRequest) as exc:
         _validate(replace(ARGS, image_url_ttl_s=0), response_format="url")
+    assert (exc.value.param, exc.value.message) == (
+        "response_format", "this server keeps no images (image_url_ttl_s is 0): use b64_json")
     with pytest.raises(Exception):
         ImageRequest(prompt="x", stream="yes")  # strict bool
 
@@ -325,3 +337,78 @@ def test_edit_strength_and_image_bytes_at_their_bounds() -> None:
             validate_edit({"prompt": "a"}, {**ok, name: exact + b"\0"}, ARGS, MODEL)
         assert exc.value.param == name
         assert f"{name} is too large: {MAX_EDIT_IMAGE_BYTES + 1} bytes, at most {MAX_EDIT_IMAGE_BYTES}" in exc.value.message
+
+
+def _png(w: int, h: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (200, 30, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+EDIT_ACCEPTED = ", ".join(repr(f) for f in sorted(set(ImageRequest.model_fields) | {"image", "mask", "strength"}))
+# (form fields, files, the 400's param, its whole message)
+EDIT_REFUSED = [
+    ({"prompt": "a"}, {}, "image", "an edit needs an image file (multipart field `image`)"),
+    ({"prompt": "a"}, {"mask": "png"}, "image", "an edit needs an image file (multipart field `image`)"),
+    ({"prompt": "a", "colour": "red"}, {"image": "png"}, "colour",
+     f"unknown field(s) ['colour']; accepted: [{EDIT_ACCEPTED}]"),
+    ({"prompt": "a", "zz": "1", "aa": "2"}, {"image": "png"}, "aa",
+     f"unknown field(s) ['aa', 'zz']; accepted: [{EDIT_ACCEPTED}]"),
+    ({"prompt": "a"}, {"image": "junk"}, "image", None),  # PIL's reason follows; checked by prefix below
+    ({"prompt": "a"}, {"image": "png", "mask": "junk"}, "mask", None),
+    ({"prompt": "a"}, {"image": "png", "mask": "png80"}, "mask", "mask must be the size of the image (64x48), got 80x64"),
+    ({"prompt": "a", "strength": "lots"}, {"image": "png"}, "strength", "strength must be a number, got 'lots'"),
+    ({"prompt": "a", "steps": "many"}, {"image": "png"}, "steps", "steps must be a number, got 'many'"),
+    ({"prompt": "a", "lora": "ink"}, {"image": "png"}, "lora",
+     'lora must be a JSON list like [{"name": "ink", "scale": 0.8}], got \'ink\''),
+    ({"prompt": "a", "quality": "lossless", "seed": "1", "size": "64x64", "output_format": "gif"}, {"image": "png"},
+     "output_format", "Input should be 'png', 'jpeg' or 'webp'"),
+    ({"prompt": "a", "steps": "1"}, {"image": "png"}, "steps", "steps must be between 2 and 50, got 1"),
+]
+
+
+@pytest.mark.parametrize("fields, files, param, message", EDIT_REFUSED,
+                         ids=[f"{i}-{r[2]}" for i, r in enumerate(EDIT_REFUSED)])
+def test_edit_form_errors_name_the_field_with_the_whole_reason(fields: dict, files: dict, param: str,
+                                                               message: str | None) -> None:
+    """Each refusal of `validate_edit` (the multipart edit form) at the unit level: the field the 400 names and its
+    whole message (the serve suite sees a few of them through HTTP only)."""
+    from deployments.schema import validate_edit
+
+    data = {"png": _png(64, 48), "png80": _png(80, 64), "junk": b"not an image at all"}
+    with pytest.raises(BadRequest) as exc:
+        validate_edit(fields, {k: data[v] for k, v in files.items()}, ARGS, MODEL)
+    assert exc.value.param == param, exc.value.message
+    if message is None:
+        assert exc.value.message.startswith(f"{param} is not a readable image (")
+    else:
+        assert exc.value.message == message
+
+
+def test_an_edit_takes_its_size_from_the_image_and_carries_image_mask_and_strength() -> None:
+    """Size "auto" (or none): the image's own, each side rounded down to a multiple of 16 (width first); the jobs
+    carry the very bytes of the image and the mask, and the strength given."""
+    from deployments.schema import validate_edit
+
+    image, mask = _png(100, 70), _png(100, 70)
+    for size in ({}, {"size": "auto"}):
+        v = validate_edit({"prompt": "a", "n": "2", "strength": "0.25", **size}, {"image": image, "mask": mask},
+                          ARGS, MODEL)
+        assert v.size == "96x64"
+        assert [(j.width, j.height, j.image, j.mask, j.strength) for j in v.jobs] == [(96, 64, image, mask, 0.25)] * 2
+    v = validate_edit({"prompt": "a", "size": "64x64"}, {"image": image}, ARGS, MODEL)
+    assert (v.size, v.jobs[0].mask, v.jobs[0].strength) == ("64x64", None, 0.6)  # GenerationRequest's default
+
+
+def test_a_fused_adapter_refuses_named_ones() -> None:
+    fused = AppArgs.parse({**RAW_ARGS, "loras": {"ink": "/models/ink.safetensors"}, "fuse_lora": True})
+    with pytest.raises(BadRequest) as exc:
+        _validate(fused, lora=[{"name": "ink", "scale": 1.0}])
+    assert (exc.value.param, exc.value.message) == (
+        "lora", "adapter 'ink' is fused into this deployment's weights: every image uses it, and a request names no "
+                "adapter")
+    assert _validate(fused).jobs[0].loras == ()

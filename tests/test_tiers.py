@@ -9,7 +9,7 @@ import kernels
 from kernels import gelu as G
 from kernels.modulate import fast_norm_sites
 from model.execution import execution_of
-from model.flux import FluxTransformer, run_double_block, run_single_block
+from model.flux import FluxTransformer, attention8_sites, run_double_block, run_single_block
 from model.tiers import TierPlan, applied_tier, plan_tier
 
 SMALL = dict(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=32, num_attention_heads=4,
@@ -35,15 +35,18 @@ def test_plans_per_tier() -> None:
 
 def test_high_plan_is_applied_then_lossless_restored_even_on_error(model, monkeypatch) -> None:
     monkeypatch.setattr(G, "_device_supported", lambda device: True)  # let the GELU sites mount on the CPU
-    plan = TierPlan("high", mount_gelu=True, fast_norm=True, compiled=True)
+    plan = TierPlan("high", mount_gelu=True, fast_norm=True, attention8=True, compiled=True, step_cache=0.2)
     runners = (run_double_block, run_single_block)
     with pytest.raises(RuntimeError, match="boom"):
         with applied_tier(model, plan, block_runners=runners) as report:
             assert report.mounted_sites == 3 and len(kernels.mounted_sites(model)) == 3
             assert report.fast_norm_sites == fast_norm_sites(model) > 0
+            assert report.attention8_sites == attention8_sites(model) == 2  # one per block
             assert execution_of(model).block_runners is runners and execution_of(model).step_graphs is None
+            assert execution_of(model).step_cache is report.step_cache and report.step_cache.threshold == 0.2
             raise RuntimeError("boom")
     assert kernels.mounted_sites(model) == [] and fast_norm_sites(model) == 0 and execution_of(model) is None
+    assert attention8_sites(model) == 0
 
 
 def test_a_refusal_on_any_rank_unmounts_here(model, monkeypatch) -> None:
@@ -63,3 +66,40 @@ def test_lossless_starts_from_a_clean_state(model, monkeypatch) -> None:
     kernels.mount(model)  # left behind by someone else
     with applied_tier(model, plan_tier("lossless")) as report:
         assert kernels.mounted_sites(model) == [] and report.mounted_sites == 0 and report.mount_report is None
+
+
+LOSSLESS_REFUSAL = ("a lossless plan may not switch on non-exact kernels, compiled blocks or a converted (fp8 / "
+                    "fused-projection) transformer: ")
+
+
+@pytest.mark.parametrize("switch", [{"mount_gelu": True}, {"fast_norm": True}, {"attention8": True},
+                                    {"compiled": True}, {"fp8": True}, {"fused_projections": True},
+                                    {"step_cache": 0.1}, {"step_cache": 0.0}])
+def test_a_lossless_plan_refuses_each_non_exact_switch_alone(switch: dict) -> None:
+    """One switch at a time, so a check that needs two of them together (an `and` for an `or`) fails here."""
+    with pytest.raises(ValueError) as exc:
+        TierPlan("lossless", **switch)
+    assert str(exc.value) == LOSSLESS_REFUSAL + repr(TierPlan("high", **switch)).replace("'high'", "'lossless'")
+    TierPlan("high", **switch)  # the same switch on a high plan is fine (bar the pairs below)
+    assert TierPlan("lossless", cuda_graphs=True).cuda_graphs  # graph replay runs the same kernels: allowed
+
+
+def test_plans_that_contradict_themselves_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError) as exc:
+        TierPlan("high", fp8=True, mount_gelu=True)
+    assert str(exc.value) == "fp8 layers take their GELU inside the quantization pass: no GELU sites to mount"
+    with pytest.raises(ValueError) as exc:
+        TierPlan("high", compiled=True, cuda_graphs=True)
+    assert str(exc.value) == "a compiled batch never replays CUDA graphs"
+
+
+def test_plan_tier_carries_the_form_and_the_step_cache_to_high_only() -> None:
+    assert plan_tier("high", fp8=True, fused_projections=True, step_cache=0.3, attention8=True) == TierPlan(
+        "high", fp8=True, fused_projections=True, step_cache=0.3, attention8=True)  # fp8 takes the GELU: no mount
+    assert plan_tier("high", fused_projections=True) == TierPlan("high", mount_gelu=True, fused_projections=True)
+    assert plan_tier("lossless", step_cache=0.3, attention8=True, cuda_graphs=True) == TierPlan(
+        "lossless", cuda_graphs=True)
+    with pytest.raises(ValueError, match="lossless plan"):
+        plan_tier("lossless", fp8=True)  # a converted transformer cannot serve lossless
+    with pytest.raises(ValueError, match="lossless plan"):
+        plan_tier("lossless", fused_projections=True)
