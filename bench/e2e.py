@@ -95,14 +95,14 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
 
     variants: dict[str, Callable[[], tuple[torch.Tensor, bytes, int]]] = {
         "baseline": lambda: (lambda lat, png: (lat[0], png[0], 0))(*run_flux_pipeline(reference, [req("lossless")])),
-        "lossless": lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+        "lossless": lambda: (lambda r: (r.latents, r.png, r.ran.gelu_sites))(
             ours.generate([req("lossless")], cuda_graphs=False)[0]),
-        "high": lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+        "high": lambda: (lambda r: (r.latents, r.png, r.ran.gelu_sites))(
             ours.generate([req("high")], compiled=False, cuda_graphs=False)[0]),
     }
     if args.high_compile:
         # The compile warm-up for this size ran before (main); no timed call compiles.
-        variants["high_compiled"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+        variants["high_compiled"] = lambda: (lambda r: (r.latents, r.png, r.ran.gelu_sites))(
             ours.generate([req("high")], compiled=True)[0])
     if args.high_fast_norm:
         def high_fast_norm() -> tuple[torch.Tensor, bytes, int]:
@@ -111,21 +111,21 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
                 r = ours.generate([req("high")], compiled=False)[0]
             finally:
                 ours.high_fast_norm = False
-            assert r.fast_norm_sites > 0 or ours.device.type != "cuda", "fast_norm did not switch any site"
-            return r.latents, r.png, r.mounted_sites
+            assert r.ran.fast_norm_sites > 0 or ours.device.type != "cuda", "fast_norm did not switch any site"
+            return r.latents, r.png, r.ran.gelu_sites
 
         variants["high_fast_norm"] = high_fast_norm
     if high_pool is not None:
-        variants["high_default"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+        variants["high_default"] = lambda: (lambda r: (r.latents, r.png, r.ran.gelu_sites))(
             high_pool.generate([req("high")], cuda_graphs=False)[0])
         if high_pool.cuda_graphs_enabled:
-            variants["high_default_graphs"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+            variants["high_default_graphs"] = lambda: (lambda r: (r.latents, r.png, r.ran.gelu_sites))(
                 high_pool.generate([req("high")], cuda_graphs=True)[0])
     if args.cuda_graphs:
         # The first call of each captures its graph (two eager steps + capture): the warm-up repeat pays that.
-        variants["lossless+graphs"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+        variants["lossless+graphs"] = lambda: (lambda r: (r.latents, r.png, r.ran.gelu_sites))(
             ours.generate([req("lossless")], cuda_graphs=True)[0])
-        variants["high+graphs"] = lambda: (lambda r: (r.latents, r.png, r.mounted_sites))(
+        variants["high+graphs"] = lambda: (lambda r: (r.latents, r.png, r.ran.gelu_sites))(
             ours.generate([req("high")], compiled=False, cuda_graphs=True)[0])
     times: dict[str, list[float]] = {k: [] for k in variants}
     last: dict[str, tuple[torch.Tensor, bytes, int]] = {}

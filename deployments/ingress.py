@@ -302,7 +302,7 @@ class Ingress:
                     "X-Seed": str(r["seed"]),
                     "X-Pool": r["pool"],
                     "X-Quality": r["quality"],
-                    "X-Mounted-Sites": str(r["mounted_sites"]),
+                    "X-Ran": json.dumps(r["ran"], separators=(",", ":")),
                     "X-Total-Time-S": f"{elapsed:.4f}",
                 },
             )
@@ -320,7 +320,7 @@ class Ingress:
             "output_format": v.output_format,
             "pool": results[0]["pool"],
             "seeds": [r["seed"] for r in results],
-            "mounted_sites": max(r["mounted_sites"] for r in results),
+            "ran": results[0]["ran"],  # one request's images run under one tier and form
             "size": v.size,
             "steps": first.steps,
             "guidance": first.guidance,
@@ -384,7 +384,8 @@ class Ingress:
                         timings = {**r["timings"], "ingress_total_s": time.perf_counter() - t0}
                         yield _sse(f"{kind}.completed", {
                             "type": f"{kind}.completed", "b64_json": await asyncio.to_thread(encoded, r["png"]),
-                            "created_at": int(time.time()), **common, "seed": r["seed"], "timings": timings})
+                            "created_at": int(time.time()), **common, "seed": r["seed"], "timings": timings,
+                            "ran": r["ran"]})
                         self.m_latency.observe(time.perf_counter() - t0, tags={"pool": pool})
                         return
                     yield _sse(f"{kind}.partial_image", {

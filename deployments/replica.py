@@ -1,7 +1,8 @@
 """FluxReplica: one replica of a quality pool (lossless or high).
 
-The replica batches and accounts; its engine (deployments/engine.py) runs the batches: in this process at tp == 1,
-on one actor per rank at tp > 1. The replica never looks at `tp` itself.
+The replica batches and accounts (`PoolReplica`, plain Python); its engine (deployments/engine.py) runs the batches:
+in this process at tp == 1, on one actor per rank at tp > 1. The replica never looks at `tp` itself. `FluxReplica`
+is the Serve deployment around it.
 
 Requests arrive one image at a time (`generate(job)`); `@serve.batch` collects them and the batch
 handler runs one pipeline call per group of compatible jobs (same size/steps/guidance/quality), so
@@ -21,7 +22,7 @@ import ray
 from ray import serve
 
 from deployments.config import AppArgs
-from deployments.engine import make_engine
+from deployments.engine import Engine, make_engine
 from deployments.errors import GenerationFailed, OutOfMemory, PoolUnavailable
 from model.pipeline import GenerationCancelled
 from model.preview import PreviewSink, preview_steps
@@ -44,70 +45,33 @@ def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError)
 
 
-@serve.deployment(max_ongoing_requests=8)
-class FluxReplica:
-    """One replica of a pool; bound twice by the builder (names "lossless" and "high")."""
+class PoolReplica:
+    """The work of one pool replica, without Serve: it groups the requests one `@serve.batch` call collected into
+    pipeline calls, runs them on its engine, maps failures to the API's errors and counts. `FluxReplica` below is
+    the Serve shell around it (tests drive this class directly)."""
 
-    def __init__(self, pool: str, args: dict[str, Any]) -> None:
+    def __init__(self, pool: str, args: AppArgs, engine: Engine) -> None:
         self.pool = pool
-        self.args = AppArgs.parse(args)
-        self.pool_args = self.args.pools[pool]
+        self.args = args
+        self.pool_args = args.pools[pool]
+        self.engine = engine
         self._batch_count = 0
         self._cancelled_batches = 0
         self._images = 0
         self._out_of_memory = 0
         self._busy = asyncio.Lock()
-        # The batch queue is per process (one replica per process): configure it from the YAML args.
-        self._batched.set_max_batch_size(self.args.max_batch_size)
+
+    @property
+    def batch_wait_s(self) -> float:
+        """How long a `@serve.batch` call waits to fill: the pool's own setting, else none for a batch-invariant
+        pool (its requests run alone anyway) and the app's `batch_wait_timeout_s` for the others."""
         wait = self.pool_args.batch_wait_timeout_s
         if wait is None:
             wait = 0.0 if self.pool_args.batch_invariant else self.args.batch_wait_timeout_s
-        self._batched.set_batch_wait_timeout_s(wait)
-        self.engine = make_engine(self.args, pool)
-        logger.info("FluxReplica pool=%s tp=%d ready", pool, self.pool_args.tp)
+        return wait
 
-    async def generate(self, job: GenerationRequest) -> dict[str, Any]:
-        """Generate one image; returns png bytes, seed, timings, pool, batch size."""
-        ticket = _Ticket(job)
-        try:
-            status, value = await self._batched(ticket)
-        except asyncio.CancelledError:
-            ticket.cancelled.set()
-            raise
-        if status == "ok":
-            return value
-        raise value
-
-    async def generate_stream(self, job: GenerationRequest, partial_images: int) -> AsyncIterator[dict[str, Any]]:
-        """One image with up to `partial_images` previews while it denoises: yields {"partial_image_index",
-        "step", "png"} per preview, then {"final": <what generate returns>}. It runs as its own pipeline call (a
-        batch of one, so its final image equals the same request served alone, byte for byte in the lossless
-        pool). The caller going away (a closed stream) stops the work at the next step."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-        def emit(index: int, step: int, pngs: list[bytes]) -> None:  # any thread: the pipeline's or the loop's
-            event = {"partial_image_index": index, "step": step, "png": pngs[0]}
-            loop.call_soon_threadsafe(events.put_nowait, ("partial", event))
-
-        ticket = _Ticket(job)
-        sink = PreviewSink(preview_steps(job.denoising_steps, partial_images), emit)
-        work = asyncio.ensure_future(self._run_chunk([ticket], 1, previews=sink))
-        work.add_done_callback(lambda _: events.put_nowait(("done", None)))
-        try:
-            while True:
-                kind, event = await events.get()
-                if kind == "done":
-                    break
-                yield event
-            yield {"final": work.result()[0]}  # raises the batch's error, as generate() would
-        finally:
-            if not work.done():  # the stream was closed or cancelled before the image was done
-                ticket.cancelled.set()
-                work.add_done_callback(lambda w: w.cancelled() or w.exception())  # retrieved: no loop warning
-
-    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.05)
-    async def _batched(self, tickets: list[_Ticket]) -> list[tuple[str, Any]]:
+    async def run_tickets(self, tickets: list[_Ticket]) -> list[tuple[str, Any]]:
+        """One `@serve.batch` call: ("ok", result) or ("err", exception) per ticket, in order."""
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(tickets):
             groups.setdefault(t.job.batch_key(), []).append(i)
@@ -117,7 +81,7 @@ class FluxReplica:
             chunks = [[i] for i in idx] if self.pool_args.batch_invariant else [idx]
             for chunk in chunks:
                 try:
-                    results = await self._run_chunk([tickets[i] for i in chunk], len(idx))
+                    results = await self.run_chunk([tickets[i] for i in chunk], len(idx))
                     for i, r in zip(chunk, results):
                         out[i] = ("ok", r)
                 except Exception as exc:  # every ticket of the call gets the reason, none is dropped
@@ -125,8 +89,8 @@ class FluxReplica:
                         out[i] = ("err", exc)
         return out  # type: ignore[return-value]
 
-    async def _run_chunk(self, chunk: list[_Ticket], queued_together: int,
-                         previews: PreviewSink | None = None) -> list[dict[str, Any]]:
+    async def run_chunk(self, chunk: list[_Ticket], queued_together: int,
+                        previews: PreviewSink | None = None) -> list[dict[str, Any]]:
         """One pipeline call for compatible tickets; stops between steps once all its callers are gone."""
         requests = [t.job for t in chunk]
 
@@ -162,7 +126,7 @@ class FluxReplica:
                 "png": r.png,
                 "seed": int(r.seed),
                 "quality": r.quality,
-                "mounted_sites": int(r.mounted_sites),
+                "ran": r.ran.as_dict(),
                 "timings": {**{k: float(v) for k, v in r.timings.items()}, "replica_batch_s": wall},
                 "pool": self.pool,
                 "batch_size": len(chunk),  # requests in the pipeline call that made this image
@@ -171,8 +135,36 @@ class FluxReplica:
             for r in results
         ]
 
-    async def stats(self) -> dict[str, Any]:
-        """Counters for tests and operators (this replica only)."""
+    async def stream(self, job: GenerationRequest, partial_images: int) -> AsyncIterator[dict[str, Any]]:
+        """One image with up to `partial_images` previews while it denoises: yields {"partial_image_index",
+        "step", "png"} per preview, then {"final": <what a batch returns for it>}. It runs as its own pipeline call
+        (a batch of one, so its final image equals the same request served alone, byte for byte in the lossless
+        pool). The caller going away (a closed stream) stops the work at the next step."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def emit(index: int, step: int, pngs: list[bytes]) -> None:  # any thread: the pipeline's or the loop's
+            event = {"partial_image_index": index, "step": step, "png": pngs[0]}
+            loop.call_soon_threadsafe(events.put_nowait, ("partial", event))
+
+        ticket = _Ticket(job)
+        sink = PreviewSink(preview_steps(job.denoising_steps, partial_images), emit)
+        work = asyncio.ensure_future(self.run_chunk([ticket], 1, previews=sink))
+        work.add_done_callback(lambda _: events.put_nowait(("done", None)))
+        try:
+            while True:
+                kind, event = await events.get()
+                if kind == "done":
+                    break
+                yield event
+            yield {"final": work.result()[0]}  # raises the batch's error, as a batch would
+        finally:
+            if not work.done():  # the stream was closed or cancelled before the image was done
+                ticket.cancelled.set()
+                work.add_done_callback(lambda w: w.cancelled() or w.exception())  # retrieved: no loop warning
+
+    def counters(self) -> dict[str, Any]:
+        """This replica's counters, with its engine's (CUDA-graph captures / replays, the high form)."""
         return {
             "pool": self.pool,
             "tp": self.pool_args.tp,
@@ -180,11 +172,49 @@ class FluxReplica:
             "cancelled_batches": self._cancelled_batches,
             "images": self._images,
             "out_of_memory": self._out_of_memory,
-            "replica_id": serve.get_replica_context().replica_id.unique_id,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            # captures / replays / eager fallbacks of the CUDA-graph cache (None: graphs off)
             **self.engine.stats(),
         }
+
+
+# mutmut cannot wrap the methods of a class that Serve has wrapped: the logic is PoolReplica's, mutated there
+@serve.deployment(max_ongoing_requests=8)
+class FluxReplica:  # pragma: no mutate block
+    """One replica of a pool; bound twice by the builder (names "lossless" and "high")."""
+
+    def __init__(self, pool: str, args: dict[str, Any]) -> None:
+        parsed = AppArgs.parse(args)
+        self.engine = make_engine(parsed, pool)
+        self.core = PoolReplica(pool, parsed, self.engine)
+        # The batch queue is per process (one replica per process): configure it from the YAML args.
+        self._batched.set_max_batch_size(parsed.max_batch_size)
+        self._batched.set_batch_wait_timeout_s(self.core.batch_wait_s)
+        logger.info("FluxReplica pool=%s tp=%d ready", pool, self.core.pool_args.tp)
+
+    async def generate(self, job: GenerationRequest) -> dict[str, Any]:
+        """Generate one image; returns png bytes, seed, timings, pool, batch size."""
+        ticket = _Ticket(job)
+        try:
+            status, value = await self._batched(ticket)
+        except asyncio.CancelledError:
+            ticket.cancelled.set()
+            raise
+        if status == "ok":
+            return value
+        raise value
+
+    async def generate_stream(self, job: GenerationRequest, partial_images: int) -> AsyncIterator[dict[str, Any]]:
+        """`PoolReplica.stream` as a Serve streaming call."""
+        async for event in self.core.stream(job, partial_images):
+            yield event
+
+    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.05)
+    async def _batched(self, tickets: list[_Ticket]) -> list[tuple[str, Any]]:
+        return await self.core.run_tickets(tickets)
+
+    async def stats(self) -> dict[str, Any]:
+        """Counters for tests and operators (this replica only)."""
+        return {**self.core.counters(), "replica_id": serve.get_replica_context().replica_id.unique_id,
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     async def actor_names(self) -> dict[str, Any]:
         """Ray actor names of this replica and its TP ranks (operators and fault-injection tests)."""

@@ -113,7 +113,7 @@ class ImageResponse(BaseModel):
     output_format: str
     pool: str
     seeds: list[int]
-    mounted_sites: int
+    ran: dict[str, Any]  # what the images ran with: model.tiers.Ran
     size: str
     steps: int
     guidance: float

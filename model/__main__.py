@@ -69,7 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(result.png)
     print(json.dumps({"out": str(out), "png_md5": md5(result.png), "latents_md5": md5(result.latents),
-                      "quality": result.quality, "mounted_sites": result.mounted_sites, "device": str(device),
+                      "quality": result.quality, "ran": result.ran.as_dict(), "device": str(device),
                       "dtype": str(dtype).removeprefix("torch."), "timings": result.timings}, indent=2))
     return 0
 
@@ -103,8 +103,7 @@ def verify(pipe: Any, request: Any, progress: bool = False) -> dict[str, Any]:
         "lossless": {"latents_md5": md5(lossless.latents), "png_md5": md5(lossless.png),
                      "seconds": lossless.timings["total_s"]},
         "high": {"latents_md5": md5(high.latents), "png_md5": md5(high.png), "seconds": high.timings["total_s"],
-                 "mounted_sites": high.mounted_sites, "fast_norm_sites": high.fast_norm_sites,
-                 "attention8_sites": high.attention8_sites,
+                 "ran": high.ran.as_dict(),
                  "refused_example": next(iter(refused.items()), None),
                  "fp8": form["fp8"], "fused_projections": form["fused_projections"], "fp8_refused": fp8_refused},
         "lossless_latents_equal": bool(torch.equal(lossless.latents, ref_lat[0])),
@@ -144,8 +143,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         h = res["high"]
         psnr_text = "inf (identical)" if res["high_identical_to_lossless"] else f"{res['psnr_high_vs_lossless_db']:.2f}"
         fp8_text = "fp8" if h["fp8"] else f"bf16 (fp8 refused: {h['fp8_refused']})"
-        print(f"high: fused projections, {fp8_text}, {h['mounted_sites']} GELU sites mounted, "
-              f"{h['fast_norm_sites']} fast norm sites, {h['attention8_sites']} 8-bit attention sites")
+        ran = h["ran"]
+        print(f"high: fused projections, {fp8_text}, {ran['gelu_sites']} GELU sites mounted, "
+              f"{ran['fast_norm_sites']} fast norm sites, {ran['attention8_sites']} 8-bit attention sites")
         print(f"high vs lossless: PSNR {psnr_text} dB, SSIM {res['ssim_high_vs_lossless']:.5f}")
         cs = res["caption_score"]
         if cs["lossless"] is not None:

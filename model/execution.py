@@ -34,25 +34,25 @@ class FirstBlockCache:
         self.threshold = float(threshold)
         self.computed = 0  # steps that ran every block
         self.skipped = 0  # steps that reused the cached residual
-        self._first_residual: torch.Tensor | None = None
-        self._rest_residual: torch.Tensor | None = None
+        # (first-block residual, residual of every later block) of the last computed step
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def can_skip(self, first_residual: torch.Tensor) -> bool:
-        prev = self._first_residual
-        if prev is None or self._rest_residual is None or prev.shape != first_residual.shape:
+        if self._last is None or self._last[0].shape != first_residual.shape:
             return False
+        prev = self._last[0]
         change = (first_residual - prev).abs().mean() / prev.abs().mean().clamp_min(1e-12)
         return bool(change < self.threshold)
 
     def skip(self, after_first: torch.Tensor) -> torch.Tensor:
         """A skipped step's image hidden states: the first block's output plus the cached rest residual."""
         self.skipped += 1
-        return after_first + self._rest_residual
+        return after_first + self._last[1]
 
     def store(self, first_residual: torch.Tensor, rest_residual: torch.Tensor) -> None:
         """A computed step: its first-block residual and the residual of every block after it."""
         self.computed += 1
-        self._first_residual, self._rest_residual = first_residual, rest_residual
+        self._last = (first_residual, rest_residual)
 
 
 @dataclass(frozen=True)

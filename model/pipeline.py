@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from model import faults
 from model.preview import PreviewSink, previewer_of
 from model.request import HIGH_DEFAULTS, GenerationRequest, Quality, decode_image, png_bytes, validate_batch
-from model.tiers import TierPlan, applied_tier, plan_tier
+from model.tiers import Ran, TierPlan, applied_tier, plan_tier
 
 if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request types without needing torch
     import torch
@@ -41,10 +41,8 @@ class GenerationResult:
     latents: torch.Tensor  # final latents of this request, unpacked [16, H/8, W/8], on the CPU
     seed: int
     quality: Quality
-    mounted_sites: int  # GELU sites that were mounted while this request ran (0: ran unfused)
+    ran: Ran = Ran()  # what the batch ran with (sites per kernel kind, the transformer's form, graphs, adapters)
     timings: dict[str, float] = field(default_factory=dict)
-    fast_norm_sites: int = 0  # LayerNorm+modulate sites on the fast (not bit-exact) kernel while this ran
-    attention8_sites: int = 0  # attention modules switched to 8-bit attention while this ran
 
 
 class GenerationCancelled(RuntimeError):
@@ -182,6 +180,7 @@ class FluxServePipeline:
         # The transformer's high-tier lifetime form (convert_for_high): then it serves "high" batches only.
         self.fp8 = False
         self.fused_projections = False
+        self.fp8_layers = 0  # fp8 linear layers the conversion made (reported in each result's `ran`)
         # generate() mounts/unmounts sites on the shared transformer: never let two batches interleave.
         self._lock = threading.Lock()
 
@@ -352,8 +351,11 @@ class FluxServePipeline:
                 self.transformer.fuse_qkv_projections()
                 self.fused_projections = True
             if fp8 and not self.fp8:
+                from kernels.fp8 import Fp8Linear
+
                 kept = self.transformer.quantize_fp8(adaln=fp8_adaln)
                 self.fp8 = True
+                self.fp8_layers = sum(isinstance(m, Fp8Linear) for m in self.transformer.modules())
             if self._step_graphs is not None:
                 self._step_graphs.reset()  # captured with the old layers
         self.release_memory()  # the replaced bf16 weights
@@ -400,7 +402,7 @@ class FluxServePipeline:
                  previews: PreviewSink | None = None) -> list[GenerationResult]:
         """Generate one uniform batch under its tier's plan (`plan`), applied for this batch only
         (`model.tiers.applied_tier`). "high" mounts the GELU sites; if the kernels refuse (e.g. on the CPU) it runs
-        unfused and every result says mounted_sites=0. agree: the TP ranks' agreement on the mount (see
+        unfused and every result's `ran.gelu_sites` is 0. agree: the TP ranks' agreement on the mount (see
         applied_tier). previews: partial images while it denoises (the results do not change)."""
         validate_batch(requests)
         quality = requests[0].quality
@@ -408,6 +410,7 @@ class FluxServePipeline:
         with self._lock:
             t0 = time.perf_counter()
             self._activate_loras(requests[0].loras)
+            replays = self._step_graphs.replays if self._step_graphs is not None else 0
             with applied_tier(self.transformer, plan, block_runners=self._compiled_runners,
                               step_graphs=self._step_graphs, agree=agree) as report:
                 if report.mount_report is not None:
@@ -416,13 +419,16 @@ class FluxServePipeline:
                 latents, pngs = run_flux_pipeline(self.pipe, requests, progress, should_stop, previews)
             _sync(self.device)
             t2 = time.perf_counter()
+            graphed = self._step_graphs is not None and self._step_graphs.replays > replays
         timings = {"mount_s": t1 - t0, "pipeline_s": t2 - t1, "total_s": t2 - t0, "batch_size": float(len(requests))}
         if report.step_cache is not None:
             timings["cached_steps"] = float(report.step_cache.skipped)
-        return [GenerationResult(png=png, latents=lat, seed=r.seed, quality=quality,
-                                 mounted_sites=report.mounted_sites, timings=dict(timings),
-                                 fast_norm_sites=report.fast_norm_sites,
-                                 attention8_sites=report.attention8_sites)
+        ran = Ran(gelu_sites=report.mounted_sites, fast_norm_sites=report.fast_norm_sites,
+                  attention8_sites=report.attention8_sites, fp8_layers=self.fp8_layers,
+                  fused_projections=self.fused_projections, compiled=plan.compiled, graphed=graphed,
+                  step_cache=plan.step_cache, adapters=requests[0].loras,
+                  fused_adapter=self.fused_lora)
+        return [GenerationResult(png=png, latents=lat, seed=r.seed, quality=quality, ran=ran, timings=dict(timings))
                 for r, lat, png in zip(requests, latents, pngs)]
 
     def release_memory(self) -> None:

@@ -69,6 +69,30 @@ def plan_tier(quality: Quality, *, fast_norm: bool = False, attention8: bool = F
                     fused_projections=fused_projections, step_cache=cache)
 
 
+@dataclass(frozen=True)
+class Ran:
+    """What one batch ran with, as each of its results reports it (HTTP: the JSON field `ran` and the header
+    `X-Ran`): how many sites each non-exact kernel kind was switched on at, the transformer's form, how the steps
+    ran, and the adapters. Zeros and False for a lossless batch, bar `graphed` (replay is bit-identical)."""
+
+    gelu_sites: int = 0  # Linear + tanh-GELU sites through the fused epilogue
+    fast_norm_sites: int = 0  # LayerNorm + modulate and QK RMSNorm + RoPE sites on their fast kernels
+    attention8_sites: int = 0  # attention modules on 8-bit attention
+    fp8_layers: int = 0  # fp8 linear layers of the transformer (its converted form)
+    fused_projections: bool = False  # q/k/v (+ the single block's MLP up-projection) as one GEMM each
+    compiled: bool = False  # the blocks ran through their compiled graphs
+    graphed: bool = False  # steps (or, with a step cache, the blocks after the first) replayed from CUDA graphs
+    step_cache: float | None = None  # the First-Block step cache threshold (skipped steps: timings.cached_steps)
+    adapters: tuple[tuple[str, float], ...] = ()  # LoRA adapters (name, scale) switched on for the batch
+    fused_adapter: tuple[str, float] | None = None  # the adapter merged into the weights at start, if any
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("adapters", "fused_adapter")},
+                "adapters": [{"name": n, "scale": s} for n, s in self.adapters],
+                "fused_adapter": None if self.fused_adapter is None else dict(zip(("name", "scale"),
+                                                                                  self.fused_adapter))}
+
+
 @dataclass
 class TierReport:
     """What a batch actually ran with (a plan's sites can be refused: then the batch runs them unfused)."""

@@ -31,6 +31,7 @@ MODULES: dict[str, list[str]] = {
     "deployments/auth.py": ["tests/test_auth.py"],
     "deployments/files.py": ["tests/test_files.py"],
     "deployments/engine.py": ["tests/test_engine.py", "tests/test_compile.py"],
+    "deployments/replica.py": ["tests/test_replica.py", "tests/test_engine.py"],
     "model/preview.py": ["tests/test_preview.py",
                          "tests/test_pipeline.py::test_previews_leave_the_image_unchanged_and_come_after_their_steps",
                          "tests/test_pipeline.py::test_preview_steps_spread_and_bounds",
@@ -107,12 +108,35 @@ def run_module(module: str, out: Path, mutmut: str) -> dict:
     return result
 
 
+def report(out: Path) -> str:
+    """A markdown table of the per-module JSONs in `out`, then every mutant that was not killed, by module."""
+    rows, details = [], []
+    for f in sorted(out.glob("*.json")):
+        r = json.loads(f.read_text())
+        missed = r["not_killed"]
+        rows.append(f"| `{r['module']}` | {r.get('total', 0)} | {r.get('killed', 0)} | {r.get('timeout', 0)} | "
+                    f"{len(missed)} | {' '.join(r['tests'])} | {r['seconds']} |")
+        if missed:
+            details.append(f"\n### `{r['module']}`\n")
+            for m in missed:
+                diff = "\n".join(m["diff"])
+                details.append(f"- `{m['name'].rsplit('.', 1)[-1]}` ({m['status']})\n\n  ```diff\n  "
+                               + diff.replace("\n", "\n  ") + "\n  ```")
+    head = ("| module | mutants | killed | timed out | not killed | tests | seconds |\n"
+            "| --- | --- | --- | --- | --- | --- | --- |")
+    return "\n".join([head, *rows, *details]) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("modules", nargs="*", help="modules to mutate (default: all of MODULES)")
     ap.add_argument("--out", default=str(ROOT / "out" / "mutation"), help="folder for the per-module JSON and logs")
     ap.add_argument("--list", action="store_true", help="print the modules and their test subsets")
+    ap.add_argument("--report", action="store_true", help="print a markdown report of the JSONs in --out")
     a = ap.parse_args(argv)
+    if a.report:
+        print(report(Path(a.out)), end="")
+        return 0
     if a.list:
         for module, tests in MODULES.items():
             print(f"{module}: {' '.join(tests)}")

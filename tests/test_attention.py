@@ -221,7 +221,7 @@ def test_the_pipeline_plans_attention8_for_high_on_cuda_half_only(tiny_path: Pat
     finally:
         hook.remove()
     n = sum(1 for m in pipe.transformer.modules() if hasattr(m, "attention8"))
-    assert high.attention8_sites == n > 0 and lossless.attention8_sites == 0 and seen == [n, 0]
+    assert high.ran.attention8_sites == n > 0 and lossless.ran.attention8_sites == 0 and seen == [n, 0]
     assert attention8_sites(pipe.transformer) == 0
 
 
@@ -288,7 +288,7 @@ def test_gpu_high_batch_with_attention8(tiny_path: Path) -> None:
     plain = pipe.generate([req])[0]
     pipe.high_attention8 = True
     r = pipe.generate([req])[0]
-    assert r.attention8_sites > 0 and attention8_sites(pipe.transformer) == 0
+    assert r.ran.attention8_sites > 0 and attention8_sites(pipe.transformer) == 0
     assert _rel(r.latents, plain.latents) < 0.1 and not torch.equal(r.latents, plain.latents)
 
 

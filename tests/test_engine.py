@@ -8,6 +8,7 @@ does not retire the replica. (Real actors and a killed rank: tests/test_tp.py an
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import pytest
@@ -200,3 +201,190 @@ def test_the_local_engine_loads_and_fuses_adapters(tiny_path, threads, tmp_path)
     fused = _local(tiny_path, "high", loras={"ink": ink}, fuse_lora=True)
     assert fused.pipe.fused_lora == ("ink", 1.0) and fused.pipe.loras == {}
     assert fused.stats()["high_form"]["fused_projections"]  # converted after the merge (fp8 refused on the CPU)
+
+
+# -- TPEngine.start: the ranks it asks Ray for ---------------------------------------------------------------------
+
+class _FakeRankClass:
+    """Stands in for the Ray actor class: records each `.options(...).remote(...)`; `setup.remote()` is a ref."""
+
+    def __init__(self) -> None:
+        self.started: list[tuple[dict, dict]] = []
+
+    def options(self, **options: Any) -> Any:
+        cls = self
+
+        class _Bound:
+            def remote(self, **kwargs: Any) -> Any:
+                cls.started.append((options, kwargs))
+                rank = _Rank(kwargs["rank"])
+                rank.setup = _Method(lambda: f"setup {kwargs['rank']}")
+                return rank
+
+        return _Bound()
+
+
+def _start(monkeypatch, pool: dict, device: str = "cpu", bundles: int | None = None, **raw: Any):
+    import ray.util
+
+    args = AppArgs.parse({"model": "tiny", "device": device, "dtype": "bfloat16", "pools": {"high": pool}, **raw})
+    n = args.pools["high"].tp if bundles is None else bundles
+    pg = type("PG", (), {"bundle_specs": [dict(args.pools["high"].rank_resources) for _ in range(n)]})()
+    fake = _FakeRankClass()
+    setups: list = []
+    monkeypatch.setattr(ray.util, "get_current_placement_group", lambda: pg)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.1.2.3")
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Ctx", (), {"get_actor_id": lambda self: "abc"})())
+    monkeypatch.setattr(ray, "get", lambda refs: setups.extend(refs) or refs)
+    monkeypatch.setattr(engine_mod, "find_free_port", lambda host: 29511 if host == "10.1.2.3" else 1)
+    monkeypatch.setattr(engine_mod, "_rank_actor_class", lambda: fake)
+    e = engine_mod.TPEngine(args, args.pools["high"])
+    e.start()
+    return e, fake, setups, pg
+
+
+def test_start_asks_for_one_rank_per_bundle_with_the_pools_settings(monkeypatch) -> None:
+    """Each rank in its own bundle (index = rank), its resources, NCCL multicast off and its thread count in the
+    environment, and the same rendezvous (this node's address, one free port), model, dtype, backend, timeout and
+    per-batch options for every rank; `setup` is called on all ranks together (they join the group at once)."""
+    pool = {"tp": 2, "fp8": False, "fused_projections": False, "rank_resources": {"CPU": 3}, "fast_norm": True,
+            "attention8": False, "collective_timeout_s": 45.0}
+    e, fake, setups, pg = _start(monkeypatch, pool)
+    assert len(fake.started) == 2 and len(e.workers) == 2
+    for rank, (options, kwargs) in enumerate(fake.started):
+        assert options["name"] == f"fluxserve-rank{rank}-abc" and e.actor_names()[rank] == options["name"]
+        assert (options["num_cpus"], options["num_gpus"]) == (3, 0)
+        strategy = options["scheduling_strategy"]
+        assert strategy.placement_group is pg and strategy.placement_group_bundle_index == rank
+        assert strategy.placement_group_capture_child_tasks
+        assert options["runtime_env"] == {"env_vars": {"NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "3"}}
+        assert kwargs == {"rank": rank, "world_size": 2, "model_path_or_preset": "tiny", "device": "cpu",
+                          "dtype": "bfloat16", "backend": "gloo", "master_addr": "10.1.2.3", "port": 29511,
+                          "timeout_s": 45.0, "cpu_threads": 3, "fast_norm": True, "attention8": False}
+    assert setups == ["setup 0", "setup 1"]
+
+
+def test_start_takes_explicit_threads_and_gpu_bundles(monkeypatch) -> None:
+    pool = {"tp": 2, "fp8": False, "fused_projections": False, "rank_resources": {"CPU": 4, "GPU": 1},
+            "cpu_threads": 2, "backend": "nccl"}
+    _, fake, _, _ = _start(monkeypatch, pool, device="cuda")
+    options, kwargs = fake.started[1]
+    assert (options["num_cpus"], options["num_gpus"]) == (4, 1)
+    assert options["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "2" and kwargs["cpu_threads"] == 2
+    assert (kwargs["backend"], kwargs["device"]) == ("nccl", "cuda")
+
+
+def test_start_refuses_a_placement_group_of_the_wrong_size(monkeypatch) -> None:
+    pool = {"tp": 2, "fp8": False, "fused_projections": False}
+    with pytest.raises(RuntimeError, match=r"tp=2 needs a placement group with 2 bundles \(got 3\)"):
+        _start(monkeypatch, pool, bundles=3)
+
+
+def test_make_engine_picks_by_tp(monkeypatch) -> None:
+    made = []
+    monkeypatch.setattr(engine_mod, "LocalEngine", lambda args, pool: made.append(("local", pool)) or "local")
+    monkeypatch.setattr(engine_mod.TPEngine, "start", lambda self: made.append(("tp", self.pool.tp)))
+    args = AppArgs.parse({"pools": {"high": {"tp": 2, "fp8": False, "fused_projections": False}}})
+    assert engine_mod.make_engine(args, "lossless") == "local"
+    tp = engine_mod.make_engine(args, "high")
+    assert isinstance(tp, engine_mod.TPEngine) and made == [("local", "lossless"), ("tp", 2)]
+
+
+def test_assigned_cpus_come_from_the_actor_or_are_none(monkeypatch) -> None:
+    ctx = type("Ctx", (), {"get_assigned_resources": lambda self: {"CPU": 3.0, "GPU": 1.0}})()
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: ctx)
+    assert engine_mod._assigned_cpus() == 3
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("C", (), {
+        "get_assigned_resources": lambda self: {"GPU": 1.0}})())
+    assert engine_mod._assigned_cpus() == 0
+
+    def outside() -> Any:
+        raise RuntimeError("not in an actor")
+
+    monkeypatch.setattr(ray, "get_runtime_context", outside)
+    assert engine_mod._assigned_cpus() == 0
+
+
+def test_rank_previews_and_messages_reach_the_caller() -> None:
+    """Previews are taken from rank 0 only and emitted as it made them; the ranks are given the preview steps;
+    a cancel is sent once per rank; failure reasons name the exception type."""
+    from model.preview import PreviewSink
+
+    ranks = [_Rank(0, batch_s=0.15), _Rank(1, batch_s=0.15)]
+    asked: list[tuple] = []
+    for r in ranks:
+        r.generate = _Method(lambda reqs, steps, r=r: asked.append((r.rank, steps)) or r._generate(reqs, steps))
+    ranks[0].take_previews = _Method(lambda: _async([(0, 3, [b"p0"]), (1, 5, [b"p1"])]))
+    ranks[1].take_previews = _Method(lambda: _async([(9, 9, [b"wrong rank"])]))
+    e = _engine(*ranks)
+    got: list = []
+    sink = PreviewSink((3, 5), lambda *a: got.append(a))
+    assert _run(e.generate(JOB, lambda: False, sink)) == ["image of rank 0"]
+    assert asked == [(0, (3, 5)), (1, (3, 5))]
+    assert got[:2] == [(0, 3, [b"p0"]), (1, 5, [b"p1"])] and (9, 9, [b"wrong rank"]) not in got
+    asked.clear()
+    assert _run(e.generate(JOB, lambda: False)) == ["image of rank 0"] and asked == [(0, ()), (1, ())]
+
+    cancels = []
+    for r in ranks:
+        r.cancel = _Method(lambda r=r: cancels.append(r.rank) or setattr(r, "cancelled", True))
+    with pytest.raises(GenerationCancelled):
+        _run(e.generate(JOB, lambda: True))
+    assert sorted(cancels) == [0, 1]  # once per rank, however many times the watcher looks
+
+    dead = _engine(_Rank(0), _Rank(1, fails_with=ray.exceptions.RayActorError(error_msg="gone")))
+    with pytest.raises(PoolUnavailable) as exc:
+        _run(dead.generate(JOB, lambda: False))
+    assert str(exc.value) == dead.broken == "a TP rank died: RayActorError"
+    failed = _engine(_Rank(0), _Rank(1, fails_with=ValueError("x")))
+    with pytest.raises(ValueError):
+        _run(failed.generate(JOB, lambda: False))
+    assert failed.broken == "a TP rank failed: ValueError"
+
+
+def test_a_failed_health_check_names_its_reason_and_shutdown_ends_every_rank(monkeypatch) -> None:
+    monkeypatch.setattr(engine_mod, "HEALTH_TIMEOUT_S", 0.05)
+    e = _engine(_Rank(0), _Rank(1, ping="hang"))
+    with pytest.raises(RuntimeError) as exc:
+        _run(e.check_health())
+    assert str(exc.value) == e.broken == "a TP rank failed its health check: TimeoutError"
+    ended = []
+    for r in e.workers:
+        r.shutdown = _Method(lambda r=r: ended.append(r.rank))
+    e.shutdown()
+    assert ended == [0, 1] and e.workers == []
+    e.shutdown()  # twice is harmless
+    assert e.stats() == {"cuda_graphs": None} and e.release_memory() is None
+
+
+async def _async(value: Any) -> Any:
+    return value
+
+
+def test_the_local_engine_passes_stop_and_previews_and_its_device_and_dtype(tiny_path, threads, monkeypatch) -> None:
+    import torch
+
+    from model.preview import PreviewSink
+
+    monkeypatch.setattr(engine_mod, "_assigned_cpus", lambda: 3)  # a Ray actor's CPU share, when none is set
+    e = _local(tiny_path, "lossless", dtype="bfloat16", pools={"lossless": {"cpu_threads": None}})
+    assert torch.get_num_threads() == 3 and e.pipe.dtype == torch.bfloat16 and e.pipe.device.type == "cpu"
+    job = [GenerationRequest("a red fox", height=64, width=64, steps=4, seed=1)]
+    with pytest.raises(GenerationCancelled):
+        _run(e.generate(job, lambda: True))
+    seen: list = []
+    _run(e.generate(job, lambda: False, PreviewSink((1,), lambda *a: seen.append(a[:2]))))
+    assert seen == [(0, 1)]
+    monkeypatch.setattr(engine_mod, "_assigned_cpus", lambda: 0)  # outside an actor: the machine's cores
+    _local(tiny_path, "lossless", pools={"lossless": {"cpu_threads": None}})
+    assert torch.get_num_threads() == (os.cpu_count() or 1)
+
+
+def test_fp8_alone_is_converted_or_refused_with_its_reason(tiny_path, threads) -> None:
+    """A pool asking for fp8 without fused projections still converts (here: fp8 refused on the CPU, reported);
+    one asking for neither is left as loaded, with no refusal to report."""
+    only_fp8 = _local(tiny_path, "high", pools={"high": {"fp8": True, "fused_projections": False}})
+    form = only_fp8.stats()["high_form"]
+    assert form["fp8"] is False and form["fused_projections"] is False and "CUDA" in form["fp8_refused"]
+    fused = _local(tiny_path, "high", pools={"high": {"fp8": False, "fused_projections": True}})
+    assert fused.stats()["high_form"]["fp8_refused"] is None

@@ -770,6 +770,9 @@ def test_gpu_pipeline_holds_its_fp8_form_and_graph_replay_equals_eager(tiny_path
     try:
         eager = pipe.generate([_req(), _req(seed=4)], cuda_graphs=False)
         graphed = pipe.generate([_req(), _req(seed=4)], cuda_graphs=True)
+        n_fp8 = sum(isinstance(m, fp8.Fp8Linear) for m in pipe.transformer.modules())
+        assert graphed[0].ran.graphed and not eager[0].ran.graphed and n_fp8 > 0
+        assert graphed[0].ran.fp8_layers == eager[0].ran.fp8_layers == n_fp8 and graphed[0].ran.fused_projections
         assert sg.replays == 2 and sg.eager_fallbacks == 0, sg.stats()
         for e, g in zip(eager, graphed):
             assert torch.equal(e.latents, g.latents) and e.png == g.png
@@ -861,6 +864,21 @@ def test_a_skipped_step_reuses_the_latest_computed_steps_residual() -> None:
         # with the first step's residual instead of the latest one the last step would differ
         stale = m.proj_out(m.norm_out(taps.first[3] + (taps.last[0][0] - taps.first[0]), taps.last[3][1]))
         assert not torch.allclose(cached[3][0], stale, rtol=1e-3, atol=1e-3)
+
+
+def test_the_step_cache_decides_by_the_relative_change_of_the_first_residual() -> None:
+    """The rule itself, on hand-made residuals: skip when mean |new - last| / mean |last| is below the threshold
+    (strictly), never before a computed step, never across a change of shape (another batch's residual)."""
+    cache = execution.FirstBlockCache(threshold=0.1)
+    last = torch.tensor([[1.0, -2.0, 3.0, -4.0]])  # mean |last| = 2.5
+    assert not cache.can_skip(last)  # nothing computed yet
+    cache.store(last, torch.ones(1, 4))
+    assert cache.can_skip(last + torch.tensor([[0.2, -0.2, 0.2, -0.2]]))  # change 0.2 / 2.5 = 0.08
+    assert not cache.can_skip(last + 0.25)  # 0.25 / 2.5 = 0.1: not below
+    assert not cache.can_skip(last * 2)  # 1.0
+    assert not cache.can_skip(torch.ones(2, 4))  # another shape: never compared
+    assert torch.equal(cache.skip(torch.zeros(1, 4)), torch.ones(1, 4)) and cache.skipped == 1
+    assert execution.FirstBlockCache(0.0).threshold == 0.0 and not execution.FirstBlockCache(0.0).can_skip(last)
 
 
 class _RecordingGraphs:

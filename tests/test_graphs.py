@@ -539,7 +539,7 @@ def test_gpu_pipeline_graphs_give_the_same_latents_and_pngs(gpu_pipe) -> None:
                 graphed = gpu_pipe.generate(batch, cuda_graphs=True)
                 assert sg.replays - replays == 4, sg.stats()  # every step replayed
                 for e, g in zip(eager, graphed):
-                    assert e.mounted_sites == g.mounted_sites and (quality == "lossless") == (g.mounted_sites == 0)
+                    assert e.ran.gelu_sites == g.ran.gelu_sites and (quality == "lossless") == (g.ran.gelu_sites == 0)
                     assert torch.equal(e.latents, g.latents), (quality, len(batch))
                     assert e.png == g.png
         # (lossless, high) x (B=1, B=2); the second lossless round replays the first round's graphs

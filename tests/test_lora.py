@@ -88,7 +88,9 @@ def test_high_with_an_adapter_runs_unfused_and_stays_close(tiny_path: Path, lora
     pipe.load_loras({"ink": lora_files["ink"]})
     lossless = pipe.generate([_req((("ink", 0.8),))])[0]
     high = pipe.generate([_req((("ink", 0.8),), quality="high")])[0]
-    assert high.mounted_sites == 0  # PEFT layers are not plain linears: the GELU sites refuse, all of them
+    assert high.ran.gelu_sites == 0  # PEFT layers are not plain linears: the GELU sites refuse, all of them
+    assert high.ran.adapters == lossless.ran.adapters == (("ink", 0.8),)
+    assert pipe.generate([_req(quality="high")])[0].ran.adapters == ()
     assert torch.allclose(high.latents, lossless.latents, atol=1e-3)
     with pytest.raises(ValueError, match="before converting"):
         conv = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)

@@ -82,7 +82,7 @@ def test_lossless_bit_exact_vs_stock_diffusers(tiny_pipe: FluxServePipeline, sto
     assert torch.equal(ours.latents, ref_latents[0])
     assert md5(ours.latents) == md5(ref_latents[0])
     assert hashlib.md5(ours.png).hexdigest() == hashlib.md5(ref_png[0]).hexdigest()
-    assert ours.mounted_sites == 0 and ours.quality == "lossless" and ours.seed == 7
+    assert ours.ran.gelu_sites == 0 and ours.quality == "lossless" and ours.seed == 7
     # the images are real images, not a constant
     from PIL import Image
 
@@ -286,7 +286,7 @@ def test_batch_must_be_uniform(tiny_pipe) -> None:
 def test_high_on_cpu_runs_unfused_reports_zero_and_leaves_model_unmounted(tiny_pipe) -> None:
     req = GenerationRequest("a cat", seed=4, steps=2)
     high = tiny_pipe.generate([GenerationRequest("a cat", seed=4, steps=2, quality="high")])[0]
-    assert high.quality == "high" and high.mounted_sites == 0
+    assert high.quality == "high" and high.ran.gelu_sites == 0
     assert kernels.mounted_sites(tiny_pipe.transformer) == []
     report = tiny_pipe.last_mount_report
     assert not report.ok and report.refused  # the kernels said why (CPU / float32)
@@ -316,12 +316,12 @@ def test_high_batch_mounts_then_unmounts_and_lossless_never_sees_a_mounted_site(
     spy = _SiteSpy(model)
     try:
         high = tiny_pipe.generate([GenerationRequest("a fox", steps=2, quality="high")])[0]
-        assert high.mounted_sites == n_sites
+        assert high.ran.gelu_sites == n_sites
         assert spy.seen == [n_sites, n_sites]
         assert kernels.mounted_sites(model) == []
         spy.seen.clear()
         lossless = tiny_pipe.generate([GenerationRequest("a fox", steps=2)])[0]
-        assert lossless.mounted_sites == 0 and spy.seen == [0, 0]
+        assert lossless.ran.gelu_sites == 0 and spy.seen == [0, 0]
         # a lossless batch after a crash that left sites mounted: the pipeline unmounts first
         kernels.mount(model)
         spy.seen.clear()
@@ -462,7 +462,7 @@ def test_cli_generate_writes_the_same_png_as_the_api(tiny_path, tiny_pipe, tmp_p
     printed = json.loads(capsys.readouterr().out)
     api = tiny_pipe.generate([GenerationRequest("a forest cabin", steps=3, width=128, height=64, seed=12)])[0]
     assert out.read_bytes() == api.png
-    assert printed["png_md5"] == hashlib.md5(api.png).hexdigest() and printed["mounted_sites"] == 0
+    assert printed["png_md5"] == hashlib.md5(api.png).hexdigest() and printed["ran"]["gelu_sites"] == 0
 
 
 def test_cli_verify_passes_on_tiny_and_reports(tiny_path, capsys) -> None:
@@ -475,8 +475,8 @@ def test_cli_verify_passes_on_tiny_and_reports(tiny_path, capsys) -> None:
     assert res["reference"]["png_md5"] == res["lossless"]["png_md5"]
     high = res["high"]  # as the high pool runs it: fused projections; on the CPU fp8 is refused
     assert high["fused_projections"] and not high["fp8"] and "CUDA" in high["fp8_refused"]
-    assert high["mounted_sites"] == 0
-    assert high["fast_norm_sites"] == high["attention8_sites"] == 0  # CPU fp32: the plan keeps them off
+    assert high["ran"]["gelu_sites"] == 0
+    assert high["ran"]["fast_norm_sites"] == high["ran"]["attention8_sites"] == 0  # CPU fp32: the plan keeps them off
     assert res["high_identical_to_lossless"] or res["psnr_high_vs_lossless_db"] > 40
     assert res["ssim_high_vs_lossless"] == pytest.approx(1.0, abs=1e-3)
 
@@ -492,7 +492,7 @@ def test_cli_verify_runs_the_high_pools_default_techniques(tiny_path, monkeypatc
     monkeypatch.setattr(FluxServePipeline, "_cuda_half", lambda self: True)
     rc = main(["verify", "--model", str(tiny_path), "--steps", "2", "--size", "64x64", "--json", "--no-progress"])
     high = json.loads(capsys.readouterr().out)["high"]
-    assert rc == 0 and high["fast_norm_sites"] > 0 and high["attention8_sites"] > 0, high
+    assert rc == 0 and high["ran"]["fast_norm_sites"] > 0 and high["ran"]["attention8_sites"] > 0, high
 
 
 def test_cli_verify_exits_1_on_mismatch(tiny_path, monkeypatch, capsys) -> None:
@@ -538,15 +538,15 @@ def test_fast_norm_switches_for_high_batches_only(tiny_pipe, monkeypatch) -> Non
     seen: list[int] = []
     hook = model.register_forward_pre_hook(lambda m, a: seen.append(fast_norm_sites(m)))
     try:
-        assert tiny_pipe.generate([high_req])[0].fast_norm_sites == 0 and seen == [0, 0]  # CPU: refused
+        assert tiny_pipe.generate([high_req])[0].ran.fast_norm_sites == 0 and seen == [0, 0]  # CPU: refused
         monkeypatch.setattr(type(tiny_pipe), "_cuda_half", lambda self: True)
         seen.clear()
         high = tiny_pipe.generate([high_req])[0]
-        assert high.fast_norm_sites == n_sites and seen == [n_sites, n_sites]
+        assert high.ran.fast_norm_sites == n_sites and seen == [n_sites, n_sites]
         assert fast_norm_sites(model) == 0
         seen.clear()
         lossless = tiny_pipe.generate([req])[0]
-        assert lossless.fast_norm_sites == 0 and seen == [0, 0]
+        assert lossless.ran.fast_norm_sites == 0 and seen == [0, 0]
         # off CUDA a switched site still computes the exact path: same bytes as lossless
         assert torch.equal(high.latents, lossless.latents)
         set_fast_norm(model, True)  # left on by a crash: the next batch switches it off first
@@ -632,3 +632,31 @@ def test_preview_map_recovers_colours_of_a_picture_it_was_not_fitted_on(tiny_pip
     rgb = torch.einsum("bchw,cd->bdhw", z.float(), w[:-1]) + w[-1][None, :, None, None]
     corr = torch.corrcoef(torch.stack([rgb.flatten(), F.avg_pool2d(picture, 8).flatten()]))[0, 1]
     assert corr > 0.2, float(corr)
+
+
+def test_each_result_reports_what_its_batch_ran(tiny_path) -> None:
+    """`GenerationResult.ran` (the JSON `ran` over HTTP) says what ran, not only the GELU sites: nothing for a
+    lossless batch; the request's step cache; the converted form (fused projections; fp8 is refused on the CPU, so
+    no fp8 layers); CUDA graphs asked for but not replayed on the CPU. Catches a report that keeps a default or
+    reads the pool's settings instead of the batch's."""
+    from model.tiers import Ran
+
+    pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+
+    def req(**kw) -> GenerationRequest:
+        return GenerationRequest("a red fox", height=64, width=64, steps=2, seed=1, **kw)
+
+    assert pipe.generate([req()])[0].ran == Ran()
+    assert pipe.generate([req(quality="high", step_cache=0.5)])[0].ran == Ran(step_cache=0.5)
+    pipe.high_step_cache = 0.25
+    assert pipe.generate([req(quality="high")])[0].ran == Ran(step_cache=0.25)
+    pipe.convert_for_high(fused_projections=True)
+    pipe.enable_cuda_graphs()
+    high = pipe.generate([req(quality="high", step_cache=0.0)])[0]
+    assert high.ran == Ran(fused_projections=True)  # 0: every step computed; no graph replays on the CPU
+    assert high.ran.as_dict() == {"gelu_sites": 0, "fast_norm_sites": 0, "attention8_sites": 0, "fp8_layers": 0,
+                                  "fused_projections": True, "compiled": False, "graphed": False,
+                                  "step_cache": None, "adapters": [], "fused_adapter": None}
+    assert Ran(adapters=(("ink", 0.5),), fused_adapter=("sun", 1.0)).as_dict()["adapters"] == [
+        {"name": "ink", "scale": 0.5}]
+    assert Ran(fused_adapter=("sun", 1.0)).as_dict()["fused_adapter"] == {"name": "sun", "scale": 1.0}

@@ -64,7 +64,7 @@ def test_gpu_high_mounts_for_the_batch_only_and_unmount_restores_lossless(gpu_pi
     req = GenerationRequest("a bowl of ramen", seed=5, steps=4)
     before = gpu_pipe.generate([req])[0]
     high = gpu_pipe.generate([GenerationRequest("a bowl of ramen", seed=5, steps=4, quality="high")])[0]
-    assert high.mounted_sites == n_sites, gpu_pipe.last_mount_report
+    assert high.ran.gelu_sites == n_sites, gpu_pipe.last_mount_report
     assert kernels.mounted_sites(model) == []
     after = gpu_pipe.generate([req])[0]
     assert torch.equal(before.latents, after.latents) and before.png == after.png
@@ -117,7 +117,7 @@ def test_gpu_high_fast_norm_switches_sites_and_stays_close(gpu_pipe) -> None:
         fast = gpu_pipe.generate([GenerationRequest("a bowl of ramen", seed=5, steps=4, quality="high")])[0]
     finally:
         gpu_pipe.high_fast_norm = False
-    assert fast.fast_norm_sites == n_sites and high.fast_norm_sites == 0 and fast_norm_sites(model) == 0
+    assert fast.ran.fast_norm_sites == n_sites and high.ran.fast_norm_sites == 0 and fast_norm_sites(model) == 0
     assert not torch.equal(fast.latents, high.latents)  # the fast kernel really ran
     assert ssim(fast.png, lossless.png) > 0.9
     again = gpu_pipe.generate([GenerationRequest("a bowl of ramen", seed=5, steps=4)])[0]

@@ -275,8 +275,14 @@ def test_edit_form_stream_fields() -> None:
     v = validate_edit({"prompt": "a", "stream": "true", "partial_images": "2"}, files, ARGS, MODEL)
     assert (v.stream, v.partial_images) == (True, 2)
     assert validate_edit({"prompt": "a", "stream": "false"}, files, ARGS, MODEL).stream is False
-    with pytest.raises(BadRequest, match="stream must be true or false, got 'maybe'"):
+    with pytest.raises(BadRequest) as exc:
         validate_edit({"prompt": "a", "stream": "maybe"}, files, ARGS, MODEL)
+    assert (exc.value.param, exc.value.message) == ("stream", "stream must be true or false, got 'maybe'")
+    # the served model's name reaches the same checks as a generation's
+    assert len(validate_edit({"prompt": "a", "model": MODEL}, files, ARGS, MODEL).jobs) == 1
+    with pytest.raises(BadRequest) as exc:
+        validate_edit({"prompt": "a", "model": "dall-e-2"}, files, ARGS, MODEL)
+    assert (exc.value.param, exc.value.message) == ("model", "unknown model 'dall-e-2'; this server serves 'tiny'")
 
 
 def test_edit_form_step_cache() -> None:
@@ -293,6 +299,12 @@ def test_edit_form_step_cache() -> None:
 
 
 LORA_ARGS = AppArgs.parse({**RAW_ARGS, "loras": {n: f"/models/{n}.safetensors" for n in "abcde"}})
+
+
+def test_naming_an_adapter_on_a_server_without_any() -> None:
+    with pytest.raises(BadRequest) as exc:
+        _validate(lora=[{"name": "ink", "scale": 1.0}])
+    assert (exc.value.param, exc.value.message) == ("lora", "unknown LoRA adapter 'ink'; this server serves none")
 
 
 @pytest.mark.parametrize("inside, outside, message", [

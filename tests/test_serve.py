@@ -42,6 +42,9 @@ APP = "fluxserve"
 
 # The high pool runs at TP=2 over gloo in these tests (two TPWorker ranks in a STRICT_PACK placement group).
 TP_HIGH = 2
+# What a request that ran the plain model reports (model.tiers.Ran as JSON)
+NOTHING_RAN = {"gelu_sites": 0, "fast_norm_sites": 0, "attention8_sites": 0, "fp8_layers": 0, "fused_projections": False,
+               "compiled": False, "graphed": False, "step_cache": None, "adapters": [], "fused_adapter": None}
 # Prompts that model.faults slows down (seconds per denoising step), in every Ray process these tests start.
 SLOW = "slow request for a deadline test"
 BLOCKER = "blocker request keeping a replica busy"
@@ -263,7 +266,7 @@ def test_lossless_routes_to_lossless_pool_and_equals_direct_pipeline(serve_app: 
     body = r.json()
     assert body["pool"] == "lossless" and body["quality"] == "lossless"
     assert body["seeds"] == [11] and body["data"][0]["seed"] == 11
-    assert body["mounted_sites"] == 0
+    assert body["ran"] == NOTHING_RAN
     assert body["size"] == "256x256" and body["steps"] == 4
     assert body["timings"]["ingress_total_s"] > 0
     png = base64.b64decode(body["data"][0]["b64_json"])
@@ -277,8 +280,9 @@ def test_high_routes_to_high_pool(serve_app: dict) -> None:
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["pool"] == "high" and body["quality"] == "high"
-    # CPU: the kernels' guards refuse every site (fused GELU is CUDA-only), so nothing is mounted.
-    assert body["mounted_sites"] == 0
+    # CPU: the kernels' guards refuse every site (fused GELU is CUDA-only), fast norms and 8-bit attention run on
+    # CUDA fp16/bf16 only, and a tp 2 pool keeps its bf16 form: nothing but the plain model ran.
+    assert body["ran"] == NOTHING_RAN
     stats = _pool_stats("high")
     assert stats["pool"] == "high" and stats["tp"] == TP_HIGH and stats["images"] >= 1
 
@@ -287,6 +291,7 @@ def test_png_accept_header_and_random_seed_reported(serve_app: dict) -> None:
     r = _post(serve_app, {"prompt": "a cat"}, headers={"Accept": "image/png"})
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "image/png" and r.content[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(r.headers["X-Ran"]) == NOTHING_RAN
     seed = int(r.headers["X-Seed"])
     direct = _direct_png(serve_app["pipe"], prompt="a cat", height=256, width=256, steps=4, guidance=3.5,
                          seed=seed, quality="lossless")
@@ -819,6 +824,8 @@ def test_a_request_picks_a_lora_by_name_byte_identical_to_stock_diffusers(lora_a
                   generator=request_generators([req]), max_sequence_length=max_sequence_length(stock)).images[0]
     assert base64.b64decode(with_ink.data[0].b64_json) == png_bytes(image)
     assert with_ink.data[0].b64_json != plain.data[0].b64_json
+    assert with_ink.model_extra["ran"]["adapters"] == [{"name": "ink", "scale": 1.0}]
+    assert plain.model_extra["ran"]["adapters"] == []
     high = client.images.generate(prompt="a red fox", size="64x64",
                                   extra_body={**body, "quality": "high", "lora": [{"name": "ink"}]})
     assert high.data[0].b64_json
@@ -844,6 +851,8 @@ def test_a_request_sets_its_own_step_cache_on_a_tp1_high_pool(serve_app: dict, t
         zero = client.images.generate(prompt="a red fox", size="64x64", extra_body={**body, "step_cache": 0})
         plain = client.images.generate(prompt="a red fox", size="64x64", extra_body=body)
     assert 1 <= cached.model_extra["timings"]["cached_steps"] <= 5
+    assert cached.model_extra["ran"] == {**NOTHING_RAN, "fused_projections": True, "step_cache": 0.9}
+    assert plain.model_extra["ran"] == {**NOTHING_RAN, "fused_projections": True}  # the pool has no cache
     assert "cached_steps" not in zero.model_extra["timings"] and "cached_steps" not in plain.model_extra["timings"]
     assert zero.data[0].b64_json == plain.data[0].b64_json != cached.data[0].b64_json
     pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)

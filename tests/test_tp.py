@@ -467,7 +467,7 @@ def test_mount_all_or_nothing_across_ranks(tp_run: dict) -> None:
         expected_sites = 6 if expect_ok else 0
         assert [tp_run[r][name]["mounted"] for r in range(WORLD)] == [expected_sites] * WORLD, name
         results = tp_run[0][name]["results"]
-        assert [res.mounted_sites for res in results] == [expected_sites] * 2, name
+        assert [res.ran.gelu_sites for res in results] == [expected_sites] * 2, name
         assert [res.quality for res in results] == ["high", "high"]
         # CPU: the "fused" call is the unfused pair, so every variant reproduces the lossless image.
         for a, b in zip(results, lossless):

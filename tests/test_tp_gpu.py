@@ -173,7 +173,7 @@ def _shared_rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None
         high = pipe.generate([GenerationRequest("a red fox", height=SHARED_SIZE, width=SHARED_SIZE,
                                                 steps=SHARED_STEPS, seed=3, quality="high")],
                              agree=lambda ok: agree_all_ranks(ok, group))[0]
-        res["high"] = (high.latents, high.png, high.mounted_sites)
+        res["high"] = (high.latents, high.png, high.ran.gelu_sites)
     except BaseException:  # noqa: BLE001
         res["error"] = traceback.format_exc()
     torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))

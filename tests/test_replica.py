@@ -1,0 +1,194 @@
+"""`deployments.replica.PoolReplica` without Serve: how one `@serve.batch` call's requests become pipeline calls,
+how failures become the API's errors, what a stream yields, and the counters. A scripted engine stands in for the
+pipeline. (The same replica under real Serve, batching by timing and over HTTP: tests/test_serve.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray")
+
+import torch  # noqa: E402
+
+from deployments.config import AppArgs  # noqa: E402
+from deployments.errors import GenerationFailed, OutOfMemory, PoolUnavailable  # noqa: E402
+from deployments.replica import PoolReplica, _Ticket  # noqa: E402
+from model.pipeline import GenerationCancelled, GenerationResult  # noqa: E402
+from model.request import GenerationRequest  # noqa: E402
+from model.tiers import Ran  # noqa: E402
+
+
+class _Engine:
+    """Answers each call with one result per request (its seed in the PNG bytes), or raises what it is told to for
+    requests whose prompt names it; records every call and whether two ever overlapped."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[GenerationRequest]] = []
+        self.stops: list[bool] = []
+        self.released = 0
+        self.running = 0
+        self.overlapped = False
+        self.previews_at: tuple[int, ...] = ()
+        self.hold = asyncio.Event()
+        self.hold.set()
+
+    async def generate(self, requests, should_stop, previews=None) -> list[GenerationResult]:
+        self.calls.append(list(requests))
+        self.running += 1
+        self.overlapped |= self.running > 1
+        try:
+            if previews is not None:
+                for index, step in enumerate(previews.steps):
+                    previews.emit(index, step, [f"preview {index} at {step}".encode()])
+            await asyncio.sleep(0.01)
+            await self.hold.wait()
+            self.stops.append(should_stop())
+            failure = {"boom": RuntimeError("boom"), "oom": torch.OutOfMemoryError("CUDA out of memory"),
+                       "cancel": GenerationCancelled("cancelled after step 1 of 2"),
+                       "dead": PoolUnavailable("a TP rank died: RayActorError")}.get(requests[0].prompt)
+            if failure is not None:
+                raise failure
+            return [GenerationResult(png=b"png %d" % r.seed, latents=torch.zeros(1), seed=r.seed, quality=r.quality,
+                                     ran=Ran(gelu_sites=3), timings={"total_s": 0.5}) for r in requests]
+        finally:
+            self.running -= 1
+
+    def release_memory(self) -> None:
+        self.released += 1
+
+    def stats(self) -> dict[str, Any]:
+        return {"cuda_graphs": None}
+
+
+def _job(seed: int, prompt: str = "a red fox", size: int = 64, steps: int = 2) -> GenerationRequest:
+    return GenerationRequest(prompt, height=size, width=size, steps=steps, seed=seed)
+
+
+def _replica(pool: str = "high", **raw: Any) -> tuple[PoolReplica, _Engine]:
+    engine = _Engine()
+    return PoolReplica(pool, AppArgs.parse(raw), engine), engine
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_compatible_requests_share_a_call_and_each_gets_its_own_image() -> None:
+    """Tickets are grouped by batch key (one engine call per group, in arrival order within it); each ticket gets the
+    result of its own request, with the group's size and its call's batch size."""
+    replica, engine = _replica("high")
+    tickets = [_Ticket(_job(1)), _Ticket(_job(2, size=128)), _Ticket(_job(3)), _Ticket(_job(4, size=128))]
+    out = _run(replica.run_tickets(tickets))
+    assert [[r.seed for r in call] for call in engine.calls] == [[1, 3], [2, 4]]
+    assert [status for status, _ in out] == ["ok"] * 4
+    assert [value["png"] for _, value in out] == [b"png 1", b"png 2", b"png 3", b"png 4"]
+    first = out[0][1]
+    assert (first["seed"], first["pool"], first["quality"], first["ran"]["gelu_sites"]) == (1, "high", "lossless", 3)
+    assert (first["batch_size"], first["queued_together"]) == (2, 2)
+    assert first["timings"]["total_s"] == 0.5 and first["timings"]["replica_batch_s"] > 0
+    assert replica.counters() == {"pool": "high", "tp": 1, "batches": 2, "cancelled_batches": 0, "images": 4,
+                                  "out_of_memory": 0, "cuda_graphs": None}
+
+
+def test_a_batch_invariant_pool_runs_each_request_alone() -> None:
+    replica, engine = _replica("lossless")
+    assert replica.pool_args.batch_invariant  # the lossless pool's default
+    out = _run(replica.run_tickets([_Ticket(_job(1)), _Ticket(_job(2))]))
+    assert [[r.seed for r in call] for call in engine.calls] == [[1], [2]]
+    assert [(v["batch_size"], v["queued_together"]) for _, v in out] == [(1, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("prompt, error, message", [
+    ("boom", GenerationFailed, "RuntimeError: boom"),
+    ("oom", OutOfMemory, "out of memory generating 2 image(s) at 64x64; the replica freed its memory and keeps "
+                         "serving: retry, or ask for fewer or smaller images"),
+    ("cancel", GenerationCancelled, "cancelled after step 1 of 2"),
+    ("dead", PoolUnavailable, "a TP rank died: RayActorError"),
+])
+def test_a_failed_call_answers_every_ticket_of_it_and_spares_the_others(prompt: str, error: type,
+                                                                          message: str) -> None:
+    """A pipeline error is a 500 with its reason, out of memory a 503 after the memory is released (and counted),
+    a cancelled batch and a dead pool pass through as they are; the other group of the same call is served."""
+    replica, engine = _replica("high")
+    tickets = [_Ticket(_job(1, prompt)), _Ticket(_job(2, size=128)), _Ticket(_job(3))]  # two groups
+    out = _run(replica.run_tickets(tickets))
+    assert [s for s, _ in out] == ["err", "ok", "err"]
+    assert out[0][1] is out[2][1] and type(out[0][1]) is error and str(out[0][1]) == message
+    counters = replica.counters()
+    assert (counters["out_of_memory"], engine.released) == ((1, 1) if prompt == "oom" else (0, 0))
+    assert counters["cancelled_batches"] == (1 if prompt == "cancel" else 0)
+    assert (counters["batches"], counters["images"]) == (2, 1)
+
+
+def test_a_call_stops_only_when_every_caller_is_gone() -> None:
+    replica, engine = _replica("high")
+    gone, waiting = _Ticket(_job(1)), _Ticket(_job(2))
+    gone.cancelled.set()
+    _run(replica.run_tickets([gone, waiting]))
+    both = [_Ticket(_job(3)), _Ticket(_job(4))]
+    for t in both:
+        t.cancelled.set()
+    _run(replica.run_tickets(both))
+    assert engine.stops == [False, True]
+
+
+def test_one_pipeline_call_at_a_time() -> None:
+    replica, engine = _replica("high")
+
+    async def two() -> None:
+        await asyncio.gather(replica.run_chunk([_Ticket(_job(1))], 1), replica.run_chunk([_Ticket(_job(2))], 1))
+
+    _run(two())
+    assert len(engine.calls) == 2 and not engine.overlapped
+
+
+def test_a_stream_yields_its_previews_then_the_final_image() -> None:
+    replica, engine = _replica("high")
+
+    async def collect() -> list[dict]:
+        return [e async for e in replica.stream(_job(5, steps=8), 2)]
+
+    events = _run(collect())
+    assert [e.get("partial_image_index") for e in events[:-1]] == [0, 1]
+    assert [e["step"] for e in events[:-1]] == [3, 5]  # model.preview.preview_steps(8, 2)
+    assert events[0]["png"] == b"preview 0 at 3"
+    final = events[-1]["final"]
+    assert (final["png"], final["batch_size"], final["queued_together"]) == (b"png 5", 1, 1)
+
+
+def test_a_stream_raises_its_batchs_error_and_a_closed_stream_stops_its_work() -> None:
+    replica, engine = _replica("high")
+
+    async def failing() -> None:
+        async for _ in replica.stream(_job(5, "boom"), 0):
+            pass
+
+    with pytest.raises(GenerationFailed, match="RuntimeError: boom"):
+        _run(failing())
+
+    async def closed_early() -> None:
+        engine.hold.clear()
+        stream = replica.stream(_job(6, steps=8), 1)
+        assert (await stream.__anext__())["partial_image_index"] == 0
+        await stream.aclose()  # the client went away
+        engine.hold.set()
+        await asyncio.sleep(0.05)
+
+    _run(closed_early())
+    assert engine.stops[-1] is True  # the pipeline was told to stop at its next step
+
+
+@pytest.mark.parametrize("raw, pool, wait", [
+    ({}, "lossless", 0.0),  # batch-invariant: each request runs alone, waiting would only add latency
+    ({}, "high", 0.05),  # the app's batch_wait_timeout_s
+    ({"batch_wait_timeout_s": 0.2}, "high", 0.2),
+    ({"pools": {"high": {"batch_wait_timeout_s": 0.01}}, "batch_wait_timeout_s": 0.2}, "high", 0.01),
+    ({"pools": {"lossless": {"batch_wait_timeout_s": 0.03}}}, "lossless", 0.03),
+])
+def test_batch_wait_follows_the_pool_then_the_app(raw: dict, pool: str, wait: float) -> None:
+    replica, _ = _replica(pool, **raw)
+    assert replica.batch_wait_s == wait
