@@ -123,8 +123,5 @@ class LatentPreviewer:
 
 def previewer_of(pipe: Any) -> LatentPreviewer:
     """The pipeline's previewer (one per diffusers pipeline object; the edit pipelines share their base's VAE)."""
-    previewer = pipe.__dict__.get("_fluxserve_previewer")
-    if previewer is None:
-        previewer = pipe.__dict__.setdefault("_fluxserve_previewer", LatentPreviewer(pipe))
-    return previewer
+    return pipe.__dict__.setdefault("_fluxserve_previewer", LatentPreviewer(pipe))  # unfitted until first used
 

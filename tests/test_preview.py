@@ -143,3 +143,14 @@ def test_the_fit_is_made_in_the_pipelines_latent_space_and_once(tiny_pipe) -> No
     assert offset.abs().max() < 1e-3, offset
     first = previewer_of(pipe)
     assert previewer_of(pipe) is first and first.weights() is first.weights()
+
+
+def test_the_fit_picture_spans_the_colour_range_and_is_fixed_by_its_seed() -> None:
+    """The fit learns colours from this picture: it must stay in the VAE's input range [-1, 1] and span most of it
+    in every channel (a picture shifted out of range or squeezed into a corner fits a useless map)."""
+    from model.preview import _fit_picture
+
+    p = _fit_picture(256, 0)
+    assert p.shape == (3, 256, 256) and float(p.min()) >= -1 and float(p.max()) <= 1
+    assert all(float(p[c].max() - p[c].min()) > 1.5 for c in range(3))
+    assert torch.equal(_fit_picture(256, 0), p) and not torch.equal(_fit_picture(256, 1), p)
