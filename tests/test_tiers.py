@@ -103,3 +103,17 @@ def test_plan_tier_carries_the_form_and_the_step_cache_to_high_only() -> None:
         plan_tier("lossless", fp8=True)  # a converted transformer cannot serve lossless
     with pytest.raises(ValueError, match="lossless plan"):
         plan_tier("lossless", fused_projections=True)
+
+
+def test_ran_as_json_names_every_field() -> None:
+    """`Ran.as_dict` is the API's `ran` object: every field under its own name, adapters as name/scale objects."""
+    from model.tiers import Ran
+
+    ran = Ran(gelu_sites=1, fast_norm_sites=2, attention8_sites=3, fp8_layers=4, fused_projections=True,
+              compiled=True, graphed=False, step_cache=0.5, adapters=(("ink", 0.8), ("sun", -1.0)),
+              fused_adapter=("oil", 1.0))
+    assert ran.as_dict() == {"gelu_sites": 1, "fast_norm_sites": 2, "attention8_sites": 3, "fp8_layers": 4,
+                             "fused_projections": True, "compiled": True, "graphed": False, "step_cache": 0.5,
+                             "adapters": [{"name": "ink", "scale": 0.8}, {"name": "sun", "scale": -1.0}],
+                             "fused_adapter": {"name": "oil", "scale": 1.0}}
+    assert Ran().as_dict()["fused_adapter"] is None and Ran().as_dict()["adapters"] == []
