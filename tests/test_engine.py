@@ -282,12 +282,43 @@ def test_start_refuses_a_placement_group_of_the_wrong_size(monkeypatch) -> None:
 
 def test_make_engine_picks_by_tp(monkeypatch) -> None:
     made = []
-    monkeypatch.setattr(engine_mod, "LocalEngine", lambda args, pool: made.append(("local", pool)) or "local")
-    monkeypatch.setattr(engine_mod.TPEngine, "start", lambda self: made.append(("tp", self.pool.tp)))
+    monkeypatch.setattr(engine_mod, "LocalEngine", lambda args, pool: made.append(("local", args, pool)) or "local")
+    monkeypatch.setattr(engine_mod.TPEngine, "start", lambda self: made.append(("tp", self.args, self.pool.tp)))
     args = AppArgs.parse({"pools": {"high": {"tp": 2, "fp8": False, "fused_projections": False}}})
     assert engine_mod.make_engine(args, "lossless") == "local"
     tp = engine_mod.make_engine(args, "high")
-    assert isinstance(tp, engine_mod.TPEngine) and made == [("local", "lossless"), ("tp", 2)]
+    assert isinstance(tp, engine_mod.TPEngine) and made == [("local", args, "lossless"), ("tp", args, 2)]
+
+
+def test_the_rank_actor_answers_ping_and_cancel_beside_a_running_batch() -> None:
+    """ping and cancel (and take_previews) run in their own concurrency groups of one thread each: a health check
+    or a cancel never queues behind the batch `generate` is running."""
+    cls = engine_mod._rank_actor_class()
+    assert cls._default_options["concurrency_groups"] == {"health": 1, "control": 1}
+    assert cls.__ray_metadata__.method_meta.concurrency_group_for_methods == {
+        "ping": "health", "cancel": "control", "take_previews": "control"}
+
+
+def test_start_takes_gloo_for_ranks_sharing_a_gpu_and_one_thread_without_cpus(monkeypatch) -> None:
+    pool = {"tp": 2, "fp8": False, "fused_projections": False, "rank_resources": {"GPU": 0.5}, "backend": "gloo"}
+    _, fake, _, _ = _start(monkeypatch, pool, device="cuda")
+    options, kwargs = fake.started[0]
+    assert (kwargs["backend"], kwargs["cpu_threads"], options["num_cpus"], options["num_gpus"]) == ("gloo", 1, 0, 0.5)
+    assert options["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"
+    pool = {**pool, "rank_resources": {"CPU": 0, "GPU": 1}, "backend": None}
+    _, fake, _, _ = _start(monkeypatch, pool, device="cuda")
+    assert fake.started[0][1]["cpu_threads"] == 1 and fake.started[0][1]["backend"] == "nccl"
+
+
+def test_start_outside_a_placement_group_names_what_it_needs(monkeypatch) -> None:
+    import ray.util
+
+    args = AppArgs.parse({"pools": {"high": {"tp": 2, "fp8": False, "fused_projections": False}}})
+    monkeypatch.setattr(ray.util, "get_current_placement_group", lambda: None)
+    with pytest.raises(RuntimeError) as exc:
+        engine_mod.TPEngine(args, args.pools["high"]).start()
+    assert str(exc.value) == ("tp=2 needs a placement group with 2 bundles (got None); see "
+                              "deployments.app.pool_options")
 
 
 def test_assigned_cpus_come_from_the_actor_or_are_none(monkeypatch) -> None:
