@@ -661,6 +661,110 @@ def test_fast_accumulation_starts_at_its_row_count_and_follows_its_switch() -> N
         assert not any(fp8.fast_accumulation(m) for m in (1, 63, 64, 4608))
 
 
+@pytest.mark.parametrize("cuda, capability, dtype, scaled_mm, reason", [
+    (False, None, torch.bfloat16, True, "CUDA is not available"),
+    (True, (8, 6), torch.bfloat16, True, "fp8 GEMMs need compute capability >= 8.9 (Ada/Hopper); this GPU is 8.6"),
+    (True, (8, 9), torch.bfloat16, True, None),  # Ada
+    (True, (9, 0), torch.bfloat16, True, None),  # Hopper
+    (True, (9, 0), torch.float16, True, "fp8 GEMMs with row-wise scales write bf16; the model is torch.float16"),
+    (True, (10, 0), torch.float32, True, "fp8 GEMMs with row-wise scales write bf16; the model is torch.float32"),
+    (True, (9, 0), torch.bfloat16, False, "this torch has no torch._scaled_mm"),
+])
+def test_fp8_refusal_reasons_in_order(monkeypatch, cuda: bool, capability, dtype, scaled_mm: bool,
+                                      reason: str | None) -> None:
+    """The refusal rule on a CUDA device as this CPU machine pretends to see one (availability, compute capability
+    from 8.9, bf16 only, `torch._scaled_mm` present), each reason whole; the CPU's own refusal names the device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    if not scaled_mm:
+        monkeypatch.delattr(torch, "_scaled_mm")
+    assert fp8.fp8_refusal(torch.device("cuda", 0), dtype) == reason
+    assert fp8.fp8_refusal(torch.device("cpu"), torch.bfloat16) == "fp8 GEMMs need a CUDA device (model is on cpu)"
+
+
+def test_convertible_names_what_stops_a_layer(monkeypatch) -> None:
+    assert fp8.convertible(fp8.Fp8Linear(16, 16)) == "Fp8Linear is not an nn.Linear"
+    assert fp8.convertible(nn.Linear(32, 16)) == "fp8 GEMMs need a CUDA device (model is on cpu)"
+    seen = []
+    monkeypatch.setattr(fp8, "fp8_refusal", lambda device, dtype: seen.append((device.type, dtype)))
+    assert fp8.convertible(nn.Linear(32, 16, dtype=torch.bfloat16)) is None and seen == [("cpu", torch.bfloat16)]
+    assert fp8.convertible(nn.Linear(30, 16)) == "fp8 GEMM needs in/out features divisible by 16, got 30 -> 16"
+    assert fp8.convertible(nn.Linear(32, 24)) == "fp8 GEMM needs in/out features divisible by 16, got 32 -> 24"
+
+
+def test_scaled_mm_hands_torch_the_layers_operands(monkeypatch) -> None:
+    """On the CPU, a stand-in for `torch._scaled_mm` that computes what the op is documented to compute
+    (a [M, K] scaled by scale_a [M, 1] @ b [K, N] scaled by scale_b [1, N], + bias, in out_dtype) must give the eager
+    twin's product: catches an operand, a scale or the bias passed wrong, or the output dtype dropped."""
+    calls = []
+
+    def documented(a, b, *, scale_a, scale_b, bias=None, out_dtype=None, use_fast_accum=False):
+        calls.append(use_fast_accum)
+        out = (a.float() * scale_a) @ (b.float() * scale_b)
+        return (out if bias is None else out + bias.float()).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", documented)
+    monkeypatch.setattr(fp8, "REFUSED", {})
+    torch.manual_seed(0)
+    layer = fp8.Fp8Linear.from_linears([nn.Linear(32, 48)])
+    q, s = fp8.quantize_rows(torch.randn(5, 32))
+    for fast in (True, False):
+        got = fp8.scaled_mm(q, layer.weight, s, layer.weight_scale, layer.bias, fast)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, fp8.scaled_mm_eager(q, layer.weight, s, layer.weight_scale, layer.bias))
+    assert calls == [True, False]
+
+
+def test_fp8_layer_form_bias_free_layers_and_repr() -> None:
+    """The layer's parameters are what the GEMM needs (fp8 weight, fp32 channel scales [1, N], a bf16 bias, none
+    trainable); a layer stacked from bias-free linears has no bias; stacking refusals say why."""
+    torch.manual_seed(0)
+    layer = fp8.Fp8Linear.from_linears([nn.Linear(32, 16), nn.Linear(32, 16)])
+    assert (layer.weight.dtype, layer.weight_scale.dtype, layer.bias.dtype) == (fp8.FP8, torch.float32, torch.bfloat16)
+    assert layer.weight_scale.shape == (1, 32) and not any(p.requires_grad for p in layer.parameters())
+    assert repr(layer) == "Fp8Linear(in_features=32, out_features=32, bias=True)"
+    plain = [nn.Linear(32, 16, bias=False)]
+    free = fp8.Fp8Linear.from_linears(plain, weight_only=True)
+    assert free.bias is None
+    assert repr(free) == "Fp8Linear(in_features=32, out_features=16, bias=False, weight_only=True)"
+    x = torch.randn(3, 32)
+    assert torch.equal(free(x), fp8.weight_only_linear_eager(x, free.weight, free.weight_scale, None))
+    with pytest.raises(ValueError) as exc:
+        fp8.Fp8Linear.from_linears([nn.Linear(32, 16), nn.Linear(16, 16)])
+    assert str(exc.value) == "stacked linears must share in_features"
+    with pytest.raises(ValueError) as exc:
+        fp8.Fp8Linear.from_linears([nn.Linear(32, 16), nn.Linear(32, 16, bias=False)])
+    assert str(exc.value) == "stacked linears must all have a bias or none"
+
+
+def test_quantization_entry_points_default_to_no_gelu_and_check_shapes() -> None:
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 16), torch.randn(4, 16)
+    plain = fp8.quantize_rows_eager(torch.cat([a, b], -1))
+    for got in (fp8.quantize_rows_eager(a, b), fp8.quantize_rows(a, b)):  # no GELU unless asked
+        assert torch.equal(got[0].float(), plain[0].float()) and torch.equal(got[1], plain[1])
+    gelu = fp8.quantize_rows_eager(a, b, gelu_b=True)
+    assert not torch.equal(gelu[1], plain[1])
+    with pytest.raises(ValueError) as exc:
+        fp8.quantize_rows(torch.randn(2, 3, 16), torch.randn(4, 16))
+    assert str(exc.value) == "quantize_rows: (2, 3, 16) and (4, 16) have different leading shapes"
+    w = fp8.Fp8Linear.from_linears([nn.Linear(32, 16)], weight_only=True)
+    with pytest.raises(ValueError) as exc:
+        fp8.weight_only_linear(torch.randn(17, 32), w.weight, w.weight_scale, w.bias)
+    assert str(exc.value) == "weight_only_linear: 17 rows, at most 16"
+
+
+def test_a_weight_only_layer_keeps_the_leading_shape() -> None:
+    """A batch of one-row inputs [B, 1, K] (the AdaLN modulation's) comes back [B, 1, N], equal to its twin."""
+    torch.manual_seed(0)
+    layer = fp8.Fp8Linear.from_linears([nn.Linear(32, 48)], weight_only=True)
+    x = torch.randn(3, 1, 32)
+    y = layer(x)
+    assert y.shape == (3, 1, 48)
+    assert torch.equal(y.reshape(3, 48), fp8.weight_only_linear_eager(x.reshape(3, 32), layer.weight,
+                                                                      layer.weight_scale, layer.bias))
+
+
 @pytest.mark.gpu
 @_needs_fp8
 def test_gpu_scaled_mm_gets_fast_accumulation_by_row_count(monkeypatch) -> None:

@@ -610,3 +610,37 @@ def test_gelu_dispatch_candidates(monkeypatch):
     monkeypatch.setenv("FLUXSERVE_GELU_CANDIDATES", "cublaslt,nope")
     with pytest.raises(ValueError, match="unknown \\['nope'\\]"):
         G._candidates()
+
+
+def test_the_residual_fast_path_takes_exactly_the_gates_eager_broadcasts_alike(monkeypatch) -> None:
+    """Which inputs the Triton residual-gate kernel takes (it must reproduce eager bit for bit, so only layouts
+    whose broadcasting it repeats), checked on the guard itself with a CUDA device pretended: a per-channel gate
+    [D], [1, 1, D] or [B, 1, D] (any batch stride); not a [B, D] gate (eager aligns its B with the sequence), a
+    4-d gate, a wrong width, a 0-d gate, a channel stride other than 1, a shape mismatch or an empty input."""
+    import kernels.residual as R
+
+    monkeypatch.setattr(R, "_device_supported", lambda device: True)
+    B, L, D = 2, 3, 4
+    r = torch.randn(B, L, D, dtype=torch.bfloat16)
+    u = torch.randn(B, L, D, dtype=torch.bfloat16)
+
+    def gate(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=torch.bfloat16)
+
+    taken = {"[D]": gate(D), "[1,1,D]": gate(1, 1, D), "[B,1,D]": gate(B, 1, D),
+             "chunk of [B,6D]": gate(B, 6 * D)[:, None, D:2 * D]}
+    for name, g in taken.items():
+        g3 = R._fast_path_args(r, u, g)
+        assert g3 is not None and g3.shape == (B, 1, D), name
+        assert torch.equal(g3.expand(B, L, D), (g * torch.ones_like(r)).expand(B, L, D)), name
+    assert R._gate_as_b1d(r, gate(D)).stride(0) == 0  # one gate shared by the batch, not copied
+    refused = {"[B,D]": gate(B, D), "[1,1,1,D]": gate(1, 1, 1, D), "[D+1]": gate(D + 1), "0-d": torch.tensor(0.5, dtype=torch.bfloat16),
+               "[B,L,D]": gate(B, L, D), "[3,1,D]": gate(3, 1, D), "channel stride 2": gate(B, 1, 2 * D)[..., ::2]}
+    for name, g in refused.items():
+        assert R._fast_path_args(r, u, g) is None, name
+    assert R._fast_path_args(r, u[:, :2], gate(D)) is None  # update of another shape
+    empty = torch.empty(B, 0, D, dtype=torch.bfloat16)
+    assert R._fast_path_args(empty, empty.clone(), gate(D)) is None
+    assert R._fast_path_args(r[..., :2].contiguous(), u[..., :2].contiguous(), gate(2)) is not None  # D = 2
+    narrow = gate(B, 1, 4)[..., ::2]  # D = 2 with channel stride 2
+    assert R._fast_path_args(r[..., :2].contiguous(), u[..., :2].contiguous(), narrow) is None
