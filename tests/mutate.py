@@ -44,7 +44,7 @@ MODULES: dict[str, list[str]] = {
     "kernels/modulate.py": ["tests/test_flux_lossless.py"],
     "kernels/rope.py": ["tests/test_flux_lossless.py"],
     "kernels/gelu.py": ["tests/test_kernels.py"],
-    "tp/layers.py": ["tests/test_tp.py"],
+    "tp/layers.py": ["tests/test_tp_layers.py"],  # tests/test_tp.py runs the layers in spawned ranks, out of reach
 }
 
 # Lines no test should pin: log calls (their wording is for people) and type-checking-only imports.
