@@ -40,7 +40,7 @@ MODULES: dict[str, list[str]] = {
     "model/execution.py": ["tests/test_fp8.py", "tests/test_graphs.py", "tests/test_tiers.py"],
     "model/pipeline.py": ["tests/test_edits.py", "tests/test_lora.py", "tests/test_preview.py"],
     "kernels/fp8.py": ["tests/test_fp8.py"],
-    "kernels/residual.py": ["tests/test_kernels.py"],
+    "kernels/residual.py": ["tests/test_kernels.py", "tests/test_kernels_gpu.py"],
     "kernels/modulate.py": ["tests/test_flux_lossless.py"],
     "kernels/rope.py": ["tests/test_flux_lossless.py"],
     "kernels/gelu.py": ["tests/test_kernels.py"],
@@ -72,15 +72,17 @@ def _config(module: str, tests: list[str]) -> str:
             f"source_paths={package}\n"
             f"only_mutate={module}\n"
             # torch.compile cannot trace mutmut's trampolines: compiled tests fail in its stats run, so they are out
-            f"pytest_add_cli_args_test_selection={lines([*tests, '-k', 'not compile'])}\n"
+            f"pytest_add_cli_args_test_selection={lines([*tests, '-k', os.environ.get('FLUXSERVE_MUTATE_K', 'not compile')])}\n"
             "pytest_add_cli_args=\n    -p\n    no:cacheprovider\n    -q\n"
             f"also_copy={lines(others)}\n"
             f"do_not_mutate_patterns={lines(IGNORED_LINES)}\n"
             # torch and Ray are not safe to fork after their setup: workers fork from a server that only imported
-            "process_isolation=forkserver\n")
+            "process_isolation=forkserver\n"
+            # On a GPU host the warm-up's test collection would initialise CUDA in the server its workers fork from
+            + ("forkserver_warmup=none\n" if os.environ.get("FLUXSERVE_MUTATE_GPU") else ""))
 
 
-def run_module(module: str, out: Path, mutmut: str) -> dict:
+def run_module(module: str, out: Path, mutmut: str, only: list[str] | None = None) -> dict:
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="fluxserve-mutate-") as tmp:
         work = Path(tmp)
@@ -89,7 +91,7 @@ def run_module(module: str, out: Path, mutmut: str) -> dict:
         (work / "setup.cfg").write_text(_config(module, MODULES[module]))
         log = out / (module.replace("/", ".") + ".log")
         with open(log, "w") as fh:
-            subprocess.run([mutmut, "run"], cwd=work, stdout=fh, stderr=subprocess.STDOUT,
+            subprocess.run([mutmut, "run", *(only or [])], cwd=work, stdout=fh, stderr=subprocess.STDOUT,
                            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
         subprocess.run([mutmut, "export-cicd-stats"], cwd=work, capture_output=True)
         stats_file = work / "mutants" / "mutmut-cicd-stats.json"
@@ -98,7 +100,7 @@ def run_module(module: str, out: Path, mutmut: str) -> dict:
         survivors = []
         for line in listed.splitlines():
             name, _, status = line.strip().rpartition(": ")
-            if name:
+            if name and status != "not checked":
                 diff = subprocess.run([mutmut, "show", name], cwd=work, capture_output=True, text=True).stdout
                 survivors.append({"name": name, "status": status,
                                   "diff": [d for d in diff.splitlines()
@@ -134,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "out" / "mutation"), help="folder for the per-module JSON and logs")
     ap.add_argument("--list", action="store_true", help="print the modules and their test subsets")
     ap.add_argument("--report", action="store_true", help="print a markdown report of the JSONs in --out")
+    ap.add_argument("--only", nargs="+", default=None, metavar="GLOB",
+                    help="mutant names to run (mutmut's fnmatch patterns, e.g. 'kernels.fp8.x_scaled_mm*'); others "
+                         "are left unchecked and out of the JSON")
     a = ap.parse_args(argv)
     if a.report:
         print(report(Path(a.out)), end="")
@@ -151,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for module in a.modules or list(MODULES):
-        r = run_module(module, out, mutmut)
+        r = run_module(module, out, mutmut, a.only)
         total = r.get("total", 0)
         killed = r.get("killed", 0)
         print(f"{module}: {killed}/{total} killed, {len(r['not_killed'])} not killed, {r['seconds']} s", flush=True)

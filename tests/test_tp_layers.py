@@ -116,7 +116,7 @@ def test_a_bias_free_column_shard_and_one_rank() -> None:
     assert only.bias is None and torch.equal(only(x), full(x))  # tp 1 gathers nothing
 
 
-@pytest.mark.parametrize("blocks", [None, [8, 16]])
+@pytest.mark.parametrize("blocks", [None, [8, 16], [8, 4, 12]])
 def test_row_shards_sum_to_the_full_layer_with_the_bias_added_once(collectives, blocks) -> None:
     """Rank r holds the columns of its shard of each input block ([attn | mlp] for the single block's proj_out),
     its input is [block0 shard r | block1 shard r]; rank 0 alone adds the bias, inside its own GEMM; one reduce."""
@@ -175,5 +175,16 @@ def test_shapes_that_do_not_split_are_refused_with_the_reason() -> None:
     assert str(exc.value) == "input block=9 is not divisible by the tensor-parallel size 2"
     empty = L.ColumnParallelLinear(8, 12, tp_rank=1, tp_size=2, dtype=torch.float64)
     assert empty.weight.shape == (6, 8) and empty.weight.dtype == torch.float64 and empty.bias.shape == (6,)
+    assert empty.bias.dtype == torch.float64 and not empty.gather_output  # gathering is asked for, not a default
     row = L.RowParallelLinear(24, 6, bias=False, tp_rank=1, tp_size=2, input_blocks=[8, 16])
     assert row.weight.shape == (6, 12) and row.bias is None and row.block_per_rank == [4, 8]
+    row = L.RowParallelLinear(24, 6, tp_rank=1, tp_size=2, dtype=torch.float64)
+    assert (row.weight.dtype, row.bias.dtype, row.bias.shape) == (torch.float64, torch.float64, (6,))
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_shards_keep_the_full_layers_requires_grad(trainable: bool) -> None:
+    full = _linear(8, 12).requires_grad_(trainable)
+    col = L.ColumnParallelLinear.from_linear(full, 1, 2)
+    row = L.RowParallelLinear.from_linear(_linear(12, 8).requires_grad_(trainable), 1, 2)
+    assert {p.requires_grad for p in (*col.parameters(), *row.parameters())} == {trainable}
