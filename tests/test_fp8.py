@@ -723,6 +723,7 @@ def test_fp8_layer_form_bias_free_layers_and_repr() -> None:
     assert (layer.weight.dtype, layer.weight_scale.dtype, layer.bias.dtype) == (fp8.FP8, torch.float32, torch.bfloat16)
     assert layer.weight_scale.shape == (1, 32) and not any(p.requires_grad for p in layer.parameters())
     assert repr(layer) == "Fp8Linear(in_features=32, out_features=32, bias=True)"
+    assert repr(fp8.Fp8Linear(16, 48)) == "Fp8Linear(in_features=16, out_features=48, bias=True)"  # the defaults
     plain = [nn.Linear(32, 16, bias=False)]
     free = fp8.Fp8Linear.from_linears(plain, weight_only=True)
     assert free.bias is None
