@@ -176,6 +176,7 @@ def test_shapes_that_do_not_split_are_refused_with_the_reason() -> None:
     empty = L.ColumnParallelLinear(8, 12, tp_rank=1, tp_size=2, dtype=torch.float64)
     assert empty.weight.shape == (6, 8) and empty.weight.dtype == torch.float64 and empty.bias.shape == (6,)
     assert empty.bias.dtype == torch.float64 and not empty.gather_output  # gathering is asked for, not a default
+    assert L.ColumnParallelLinear(8, 12, bias=False, tp_rank=0, tp_size=2).bias is None
     row = L.RowParallelLinear(24, 6, bias=False, tp_rank=1, tp_size=2, input_blocks=[8, 16])
     assert row.weight.shape == (6, 12) and row.bias is None and row.block_per_rank == [4, 8]
     row = L.RowParallelLinear(24, 6, tp_rank=1, tp_size=2, dtype=torch.float64)
