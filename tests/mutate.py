@@ -38,7 +38,7 @@ MODULES: dict[str, list[str]] = {
                          "tests/test_pipeline.py::test_preview_map_recovers_colours_of_a_picture_it_was_not_fitted_on"],
     "model/tiers.py": ["tests/test_tiers.py"],
     "model/execution.py": ["tests/test_fp8.py", "tests/test_graphs.py", "tests/test_tiers.py"],
-    "model/pipeline.py": ["tests/test_edits.py", "tests/test_lora.py", "tests/test_preview.py"],
+    "model/pipeline.py": ["tests/test_edits.py", "tests/test_lora.py", "tests/test_preview.py", "tests/test_pipeline.py"],
     "kernels/fp8.py": ["tests/test_fp8.py"],
     "kernels/residual.py": ["tests/test_kernels.py", "tests/test_kernels_gpu.py"],
     "kernels/modulate.py": ["tests/test_flux_lossless.py"],

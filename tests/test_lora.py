@@ -251,3 +251,30 @@ def test_an_edit_with_an_adapter_is_byte_identical_to_stock_diffusers(tiny_path:
     assert torch.equal(got.latents, lat[0]) and got.png == png[0]
     with pytest.raises(BadRequest, match="lora must be a JSON list"):
         validate_edit({"prompt": "a", "lora": "ink"}, {"image": image}, args, "tiny")
+
+
+def test_fusing_one_of_two_loaded_adapters_at_a_scale(tiny_path: Path, lora_files: dict[str, str]) -> None:
+    """fuse_lora(name, scale) merges that adapter only, at that scale: against stock diffusers fusing the one adapter
+    with `lora_scale` (the same merge, rounded in another order: close, not bitwise), far from the adapter at full
+    scale and from both adapters merged. Loading is by name and idempotent: a second load adds only new names."""
+    ours = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    ref = diffusers_reference(ours)
+    ours.load_loras({"ink": lora_files["ink"]})
+    ours.load_loras({"ink": lora_files["ink"], "sun": lora_files["sun"]})  # ink again: skipped, sun: loaded
+    assert ours.loras == {"ink": lora_files["ink"], "sun": lora_files["sun"]}
+    full = ours.generate([_req((("ink", 1.0),))])[0]
+    both = ours.generate([_req((("ink", 0.5), ("sun", 1.0)))])[0]
+    ours.fuse_lora("ink", 0.5)
+    assert ours.fused_lora == ("ink", 0.5) and ours.loras == {}
+    got = ours.generate([_req()])[0]
+    ref.load_lora_weights(lora_files["ink"], adapter_name="ink")
+    ref.fuse_lora(components=["transformer"], lora_scale=0.5, adapter_names=["ink"])
+    ref.unload_lora_weights()
+    lat, _ = run_flux_pipeline(ref, [_req()])
+    assert (got.latents - lat[0]).abs().max() < 1e-4
+    assert (got.latents - full.latents).abs().max() > 1e-2 and (got.latents - both.latents).abs().max() > 1e-2
+    conv = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    conv.convert_for_high(fused_projections=True)
+    with pytest.raises(ValueError) as exc:
+        conv.load_loras({"ink": lora_files["ink"]})
+    assert str(exc.value) == "load LoRAs before converting for high: the adapters target the unfused bf16 linears"

@@ -88,12 +88,16 @@ def test_the_pipeline_previews_at_the_sigmas_the_transformer_ran_at(tiny_pipe, m
              t.register_forward_hook(after, with_kwargs=True)]
     try:
         steps = (1, 3, 4)
+        emitted: list[tuple] = []
         tiny_pipe.generate([GenerationRequest("a red fox", height=H, width=W, steps=6, seed=2)],
-                           previews=PreviewSink(steps, lambda *_: None))
+                           previews=PreviewSink(steps, lambda *args: emitted.append(args)))
     finally:
         for h in hooks:
             h.remove()
     assert len(seen) == 6 and len(calls) == len(steps)
+    # the sink hears (preview index, step, one PNG per request) in step order
+    assert [(index, step) for index, step, _ in emitted] == [(0, 1), (1, 3), (2, 4)]
+    assert all(len(pngs) == 1 and pngs[0].startswith(b"\x89PNG") for _, _, pngs in emitted)
     for i, (packed, previous, sigma_prev, sigma) in zip(steps, calls):
         assert torch.equal(previous, seen[i]["x"]) and torch.equal(packed, seen[i + 1]["x"])
         assert sigma_prev == pytest.approx(seen[i]["sigma"], rel=1e-5)
