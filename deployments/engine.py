@@ -60,6 +60,8 @@ def make_engine(args: AppArgs, pool: str) -> Engine:
 
 
 def _assigned_cpus() -> int:
+    if not ray.is_initialized():  # outside Ray (scripts, tests): no assignment, and asking would start a local Ray
+        return 0
     try:
         return int(ray.get_runtime_context().get_assigned_resources().get("CPU", 0))
     except Exception:  # outside a Ray actor (tests, scripts): no assignment to read

@@ -322,6 +322,9 @@ def test_start_outside_a_placement_group_names_what_it_needs(monkeypatch) -> Non
 
 
 def test_assigned_cpus_come_from_the_actor_or_are_none(monkeypatch) -> None:
+    assert not ray.is_initialized()
+    assert engine_mod._assigned_cpus() == 0 and not ray.is_initialized()  # asking never starts a local Ray
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
     ctx = type("Ctx", (), {"get_assigned_resources": lambda self: {"CPU": 3.0, "GPU": 1.0}})()
     monkeypatch.setattr(ray, "get_runtime_context", lambda: ctx)
     assert engine_mod._assigned_cpus() == 3
