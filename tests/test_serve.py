@@ -824,7 +824,7 @@ def test_a_request_picks_a_lora_by_name_byte_identical_to_stock_diffusers(lora_a
                   generator=request_generators([req]), max_sequence_length=max_sequence_length(stock)).images[0]
     assert base64.b64decode(with_ink.data[0].b64_json) == png_bytes(image)
     assert with_ink.data[0].b64_json != plain.data[0].b64_json
-    assert with_ink.model_extra["ran"]["adapters"] == [{"name": "ink", "scale": 1.0}]
+    assert with_ink.model_extra["ran"]["adapters"] == [{"name": "ink", "scale": 0.7}]
     assert plain.model_extra["ran"]["adapters"] == []
     high = client.images.generate(prompt="a red fox", size="64x64",
                                   extra_body={**body, "quality": "high", "lora": [{"name": "ink"}]})
