@@ -183,8 +183,7 @@ class FluxReplica:  # pragma: no mutate block
 
     def __init__(self, pool: str, args: dict[str, Any]) -> None:
         parsed = AppArgs.parse(args)
-        self.engine = make_engine(parsed, pool)
-        self.core = PoolReplica(pool, parsed, self.engine)
+        self.core = PoolReplica(pool, parsed, make_engine(parsed, pool))
         # The batch queue is per process (one replica per process): configure it from the YAML args.
         self._batched.set_max_batch_size(parsed.max_batch_size)
         self._batched.set_batch_wait_timeout_s(self.core.batch_wait_s)
@@ -222,14 +221,14 @@ class FluxReplica:  # pragma: no mutate block
         return {
             "namespace": ctx.namespace,
             "replica": ctx.get_actor_name(),
-            "ranks": self.engine.actor_names(),
+            "ranks": self.core.engine.actor_names(),
         }
 
     async def check_health(self) -> None:
         """A dead rank makes the replica unhealthy so Serve replaces it."""
-        await self.engine.check_health()
+        await self.core.engine.check_health()
 
     def __del__(self) -> None:
-        engine = getattr(self, "engine", None)  # absent if __init__ failed before it was made
-        if engine is not None:
-            engine.shutdown()
+        core = getattr(self, "core", None)  # absent if __init__ failed before the engine was made
+        if core is not None:
+            core.engine.shutdown()

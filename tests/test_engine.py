@@ -20,7 +20,7 @@ import ray.exceptions  # noqa: E402
 from deployments import engine as engine_mod  # noqa: E402
 from deployments.config import AppArgs  # noqa: E402
 from deployments.errors import PoolUnavailable  # noqa: E402
-from deployments.replica import FluxReplica  # noqa: E402
+from deployments.replica import FluxReplica, PoolReplica  # noqa: E402
 from model.pipeline import GenerationCancelled  # noqa: E402
 from model.request import GenerationRequest  # noqa: E402
 
@@ -109,7 +109,7 @@ def test_a_rank_failure_retires_the_engine(failure: BaseException, status: str) 
     with pytest.raises(RuntimeError, match=f"a TP rank {status}"):
         _run(e.check_health())
     replica = FluxReplica.func_or_class.__new__(FluxReplica.func_or_class)  # the replica's own health check
-    replica.engine = e
+    replica.core = PoolReplica("high", e.args, e)
     with pytest.raises(RuntimeError, match=f"a TP rank {status}"):
         _run(replica.check_health())
     ranks[1].fails_with = None  # even a recovered rank gets no more work from this engine
