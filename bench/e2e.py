@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from model.loading import diffusers_reference, load_pipeline  # noqa: E402
 from model.metrics import psnr, ssim  # noqa: E402
 from model.pipeline import FluxServePipeline, GenerationRequest, md5, run_flux_pipeline  # noqa: E402
-from model.request import HIGH_DEFAULTS  # noqa: E402
+from model.features import HIGH_DEFAULTS  # noqa: E402
 
 
 def sdpa_backend(batch: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype) -> str:
@@ -106,11 +106,11 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
             ours.generate([req("high")], compiled=True)[0])
     if args.high_fast_norm:
         def high_fast_norm() -> tuple[torch.Tensor, bytes, int]:
-            ours.high_fast_norm = True  # the high pool's `fast_norm: true`
+            ours.use(fast_norm=True)  # the high pool's `fast_norm: true`
             try:
                 r = ours.generate([req("high")], compiled=False)[0]
             finally:
-                ours.high_fast_norm = False
+                ours.use(fast_norm=False)
             assert r.ran.fast_norm_sites > 0 or ours.device.type != "cuda", "fast_norm did not switch any site"
             return r.latents, r.png, r.ran.gelu_sites
 

@@ -76,7 +76,7 @@ class Variant:
         return self.fused_projections, self.fp8, self.fp8 and self.fp8_adaln
 
 
-# The form a GPU high pool serves with cuda_graphs: model.request.HIGH_DEFAULTS, the fp8 switches at their defaults.
+# The form a GPU high pool serves with cuda_graphs: model.features.HIGH_DEFAULTS, the fp8 switches at their defaults.
 SERVED_HIGH = "high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 + cuda_graphs"
 
 VARIANTS = [
@@ -182,9 +182,9 @@ def build_variants(ours: FluxServePipeline, variants: list[Variant],
             continue
         pipe = FluxServePipeline(forms[key], source=ours.source)
         pipe.fused_projections, pipe.fp8 = key[:2]
-        pipe.high_fast_norm = v.fast_norm
-        pipe.high_attention8 = v.attention8
-        pipe.high_step_cache = v.step_cache
+        pipe.use(fast_norm=v.fast_norm)
+        pipe.use(attention8=v.attention8)
+        pipe.use(step_cache=v.step_cache)
         if v.cuda_graphs:
             pipe.enable_cuda_graphs()
         if v.compiled:
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", default=None, help="variant names to run (default: all)")
     ap.add_argument("--high-set", default=SERVED_HIGH,
                     help="the variant reported as `high` (default: the form a GPU high pool with cuda_graphs runs: "
-                         "model.request.HIGH_DEFAULTS, with the fp8 switches on by default, graphed)")
+                         "model.features.HIGH_DEFAULTS, with the fp8 switches on by default, graphed)")
     ap.add_argument("--torchao", action="store_true",
                     help=f"also time `{TORCHAO}` in the same loops (compiles for minutes on its first calls)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "high-h200.json"))

@@ -67,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         run("high", pipe, "high")
         result["adherence_high"] = result["adherence"]["high"]["adherence"]
         for threshold in STEP_CACHE_THRESHOLDS:  # First-Block step cache (issue 15) on trained weights
-            pipe.high_step_cache = threshold
+            pipe.use(step_cache=threshold)
             run(f"high_step_cache_{threshold}", pipe, "high", step_cache=threshold)
-        pipe.high_step_cache = None
+        pipe.use(step_cache=None)
 
         times = []
         for i in range(5):
@@ -83,17 +83,17 @@ def main(argv: list[str] | None = None) -> int:
         run("high_fp32", pipe, "high")
         bf16 = load_pipeline(a.model, device=a.device, dtype=torch.bfloat16)
         run("lossless_bf16", bf16, "lossless")
-        bf16.high_fast_norm = True
+        bf16.use(fast_norm=True)
         run("high_bf16", bf16, "high", fast_norm=True)
-        bf16.high_step_cache = 0.1
+        bf16.use(step_cache=0.1)
         run("high_bf16_step_cache_0.1", bf16, "high", fast_norm=True, step_cache=0.1)
-        bf16.high_step_cache = None
-        bf16.high_attention8 = True
+        bf16.use(step_cache=None)
+        bf16.use(attention8=True)
         run("high_bf16_attention8", bf16, "high", fast_norm=True, attention8=True)
-        bf16.high_attention8 = False
+        bf16.use(attention8=False)
         form = bf16.convert_for_high(fp8=bf16.fp8_refusal() is None, fused_projections=True)
         run("high_bf16_converted", bf16, "high", fast_norm=True, form=form)
-        bf16.high_attention8 = True
+        bf16.use(attention8=True)
         with switches.override(fp8_norm_producer=True):
             run("high_bf16_converted_attention8_norm_producer", bf16, "high", fast_norm=True, form=form,
                 attention8=True, fp8_norm_producer=True)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
 from typing import Any
 
 from deployments.errors import BadRequest
-from model.request import (DEFAULT_MODEL, DEFAULT_STEPS, DTYPES, HIGH_DEFAULTS, QUALITIES, SizeError,
-                           step_cache_error)
+from model.features import FEATURES, POOL_OPTIONS, Feature, app_techniques, feature, is_on, refusal
+from model.form import FORM_TECHNIQUES, ServingForm
+from model.request import DEFAULT_MODEL, DEFAULT_STEPS, DTYPES, QUALITIES, SizeError, step_cache_error
 from model.request import parse_size as parse_request_size
 
 
@@ -50,8 +51,8 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class PoolArgs:
-    """One pool of FluxReplica: `tp` ranks per replica, each reserving `rank_resources`."""
+class PoolSettings:
+    """One pool of FluxReplica, bar its techniques: `tp` ranks per replica, each reserving `rank_resources`."""
 
     tp: int = 1
     # Resources of one rank's bundle when tp > 1 (e.g. {"CPU": 4, "GPU": 1} on the H200 box).
@@ -72,45 +73,28 @@ class PoolArgs:
     batch_wait_timeout_s: float | None = None
     # tp > 1: rendezvous and collective timeout; a rank that dies mid-batch makes the others raise after it.
     collective_timeout_s: float = 120.0
-    # High pool only (tp == 1): run the transformer blocks through torch.compile (regional, dynamic=False),
-    # compiled at replica start for `compile_sizes` ("WxH"; default: [default_size]) at every batch size up to
-    # max_batch_size, so no request pays compilation. The lossless pool refuses it: compiled kernels round
-    # differently, and lossless must stay byte-identical to eager diffusers.
-    compile: bool = False
+    # The sizes ("WxH", default: [default_size]) a replica warms up at start, at every batch size it can be asked
+    # for (a compiled pool compiles for them), so no request of those shapes pays compilation.
     compile_sizes: list[str] | None = None
-    # High pool only: LayerNorm + AdaLN modulation and QK RMSNorm + RoPE through their fast kernels (CUDA
-    # fp16/bf16; not bit-exact: bench/results/e2e-h200-high-variants.md and high-h200.md give speed and PSNR/SSIM).
-    # On by default for the high pool (AppArgs.parse); the lossless pool refuses it.
-    fast_norm: bool = False
-    # High pool only: 8-bit attention: cuDNN's fp8 attention where it applies (Hopper, nvidia-cudnn-frontend, head
-    # size 128; kernels.attention.cudnn_fp8_refusal), else the Triton int8 Q K^T / fp8 P V kernel (CUDA fp16/bf16,
-    # head size 32, 64 or 128), else SDPA. Not bit-exact: speed and PSNR/SSIM in bench/results/high-h200.md.
-    # On by default for the high pool with cuda_graphs (tp 1, not compiled: AppArgs.parse; it does not run
-    # compiled); there a request's step cache runs eager, and without attention8 (model.tiers.plan_tier). The
-    # lossless pool refuses it.
-    attention8: bool = False
-    # Either pool (tp == 1, device cuda): replay each transformer step from a CUDA graph, captured on the first
-    # request of each batch size / resolution (removes the host launch gaps; bit-identical, so lossless stays
-    # byte-identical to diffusers). Not with compile: a compiled high batch never replays graphs.
-    cuda_graphs: bool = False
-    # High pool only (tp == 1, not with compile): the transformer converted once at replica start and held in
-    # that form (the replica then serves high only). fused_projections: q/k/v (+ the single block's MLP
-    # up-projection) as one GEMM each. fp8: e4m3 linear layers with per-channel weight and per-row activation
-    # scales (CUDA, compute capability >= 8.9, bf16; elsewhere refused with a warning and bf16 kept). Not bit-exact;
-    # speed and PSNR/SSIM per technique: bench/results/high-h200.md. On by default for the high pool where tp is 1
-    # and compile is off (AppArgs.parse).
-    fused_projections: bool = False
-    fp8: bool = False
-    # High pool only: First-Block-Cache (a step whose first block's residual changed by less than this fraction
-    # since the last computed step reuses that step's residual of the other blocks). Not bit-exact; off (null) by
-    # default: its quality can only be judged on trained weights. Not with cuda_graphs. A request may set its own
-    # (`step_cache`: 0 computes every step) where the pool could run one (`step_cache_refusal`).
-    step_cache_threshold: float | None = None
 
     @property
     def ranks_share_gpu(self) -> bool:
         """tp > 1 ranks that each take a fraction of a GPU (several ranks on one device)."""
         return self.tp > 1 and 0 < float(self.rank_resources.get("GPU", 0)) < 1
+
+    def techniques(self) -> frozenset[str]:
+        """The pool options of the feature table this pool turns on (a threshold that is set counts as on)."""
+        return frozenset(f.name for f in POOL_OPTIONS if is_on(getattr(self, f.key)))
+
+
+def _option_field(f: Feature) -> tuple[str, Any, Any]:
+    return (f.key, f.option_type | None, field(default=None)) if f.option_type is float else (
+        f.key, f.option_type, field(default=False))
+
+
+# One field per pool option of the feature table (model/features.py says what each does and what it excludes).
+PoolArgs = make_dataclass("PoolArgs", [_option_field(f) for f in POOL_OPTIONS], bases=(PoolSettings,), frozen=True,
+                          namespace={"__doc__": "A pool's settings and its techniques (model.features.POOL_OPTIONS)."})
 
 
 @dataclass(frozen=True)
@@ -161,49 +145,27 @@ class AppArgs:
         unknown_pools = set(pools_raw) - set(QUALITIES)
         if unknown_pools:
             raise ValueError(f"args.pools: unknown pool(s) {sorted(unknown_pools)}; pools are {QUALITIES}")
+        _check_loras(raw.get("loras"), raw.get("fuse_lora", False))
+        app_on = app_techniques(raw)
+        device = str(raw.get("device", "cpu"))
         pools: dict[str, PoolArgs] = {}
         for q in QUALITIES:
             given = pools_raw.get(q) or {}
-            # HIGH_DEFAULTS are on for the high pool where its other settings admit them: the converted form where
-            # tp is 1, it is not compiled and carries no unfused LoRAs (asked for explicitly elsewhere, it is an
-            # error below); 8-bit attention where it was measured fast, with steps replayed from CUDA graphs (an
-            # eager run of it was slow: bench/results/e2e-h200-high-default.md); the fast norms anywhere (off CUDA
-            # fp16/bf16 the exact kernels run).
-            measured_form = q == "high" and given.get("tp", 1) == 1 and not given.get("compile", False)
-            convert = measured_form and (not raw.get("loras") or bool(raw.get("fuse_lora")))
-            admits = {"fused_projections": convert, "fp8": convert, "fast_norm": q == "high",
-                      "attention8": measured_form and bool(given.get("cuda_graphs", False))}
-            p = {"batch_invariant": q == "lossless", **{k: k in HIGH_DEFAULTS and ok for k, ok in admits.items()},
-                 **given}
-            _reject_unknown(p, PoolArgs, f"args.pools.{q}")
-            pool = PoolArgs(**p)
+            _reject_unknown(given, PoolArgs, f"args.pools.{q}")
+            pool = PoolArgs(**{"batch_invariant": q == "lossless", **given})
             if not isinstance(pool.tp, int) or pool.tp < 1:
                 raise ValueError(f"args.pools.{q}.tp must be an integer >= 1, got {pool.tp!r}")
-            _check_compile(pool, q)
-            _check_high_only_switch(pool, q, "fast_norm")
-            _check_high_only_switch(pool, q, "attention8")
-            for key in ("fused_projections", "fp8"):
-                _check_high_only_switch(pool, q, key)
-                if getattr(pool, key) and pool.tp != 1:
-                    raise ValueError(f"args.pools.{q}.{key} is not supported with tp > 1 yet (got tp={pool.tp}): the "
-                                     "sharded layers are not converted")
-            for key in ("fused_projections", "fp8", "attention8"):
-                if getattr(pool, key) and pool.compile:
-                    raise ValueError(f"args.pools.{q}.{key} and compile exclude each other: compiled, the converted "
-                                     "form's kernels and 8-bit attention give way to Inductor's passes and SDPA, "
-                                     "measured slower (bench/results/high-h200.md); choose one")
-            _check_cuda_graphs(pool, q)
-            _check_step_cache(pool, q)
-            pools[q] = pool
-        _check_loras(raw.get("loras"), pools, raw.get("fuse_lora", False))
+            if pool.compile_sizes is not None and not isinstance(pool.compile_sizes, list):
+                raise ValueError(f"args.pools.{q}.compile_sizes must be a list of 'WxH', got {pool.compile_sizes!r}")
+            for f in POOL_OPTIONS:
+                _check_option_type(f, getattr(pool, f.key), q)
+            pools[q] = _with_defaults(pool, q, given, app_on, device)
+            on = pools[q].techniques() | app_on
+            for name in (f.name for f in FEATURES if f.name in on):
+                reason = refusal(name, pool=q, tp=pool.tp, device=device, on=on)
+                if reason is not None:
+                    raise ValueError(reason)
         args = AppArgs(limits=Limits(**limits_raw), pools=pools, **raw)
-        for q, pool in pools.items():
-            if pool.cuda_graphs and not str(args.device).startswith("cuda"):
-                raise ValueError(f"args.pools.{q}.cuda_graphs needs device: cuda (got device: {args.device!r}); "
-                                 "CUDA graphs cannot run on the CPU")
-        for q, pool in pools.items():
-            for size in args.compile_sizes(q):
-                parse_size(size, f"args.pools.{q}.compile_sizes")
         if args.default_quality not in QUALITIES:
             raise ValueError(f"args.default_quality must be one of {QUALITIES}, got {args.default_quality!r}")
         if args.dtype not in DTYPES:
@@ -222,6 +184,8 @@ class AppArgs:
             args.limits.check_size(str(args.default_size))
         except BadRequest as exc:
             raise ValueError(f"args.default_size: {exc.message}") from None
+        for q in pools:
+            warm_plan(args, q)  # its sizes parse
         return args
 
     def load_api_keys(self) -> frozenset[str]:
@@ -241,23 +205,25 @@ class AppArgs:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def compile_sizes(self, pool: str) -> list[str]:
-        """The "WxH" sizes a compiled pool warms up at start ([] when the pool does not compile)."""
+    def form(self, pool: str) -> ServingForm:
+        """What a replica of `pool` is built into (model.form.build_pipeline), every rank alike."""
         p = self.pools[pool]
-        if not p.compile:
-            return []
-        return list(p.compile_sizes) if p.compile_sizes else [self.default_size]
+        sizes, batch_sizes = warm_plan(self, pool)
+        fused = next(iter(self.loras)) if self.fuse_lora else None
+        return ServingForm(model=self.model, device=self.device, dtype=self.dtype,
+                           loras=tuple(self.loras.items()), fused_lora=None if fused is None else (fused, 1.0),
+                           warm_sizes=tuple(sizes), warm_batch_sizes=tuple(batch_sizes),
+                           **{name: getattr(p, feature(name).key) for name in FORM_TECHNIQUES})
 
 
 API_KEYS_ENV = "FLUXSERVE_API_KEYS_FILE"
 
-# Shapes do not depend on the step count; 2 steps also exercise the second call of each graph.
-COMPILE_WARMUP_STEPS = 2
 
-
-def compile_warmup_plan(args: AppArgs, pool: str) -> tuple[list[tuple[int, int]], list[int]]:
-    """((height, width) sizes, batch sizes) a compiled pool must warm up: every pipeline call it can make."""
-    sizes = [parse_size(s, f"args.pools.{pool}.compile_sizes") for s in args.compile_sizes(pool)]
+def warm_plan(args: AppArgs, pool: str) -> tuple[list[tuple[int, int]], list[int]]:
+    """((height, width) sizes, batch sizes) a replica of `pool` warms up at start: every pipeline call it can make
+    at its configured sizes."""
+    p = args.pools[pool]
+    sizes = [parse_size(s, f"args.pools.{pool}.compile_sizes") for s in (p.compile_sizes or [args.default_size])]
     # A batch-invariant pool runs one request per pipeline call; otherwise a call holds 1..max_batch_size.
     top = 1 if args.pools[pool].batch_invariant else args.max_batch_size
     return sizes, list(range(1, top + 1))
@@ -271,46 +237,43 @@ def parse_size(size: str, where: str = "size") -> tuple[int, int]:
         raise ValueError(f"{where}: expected 'WxH' ({exc})") from None
 
 
-def _check_compile(pool: PoolArgs, name: str) -> None:
-    if not isinstance(pool.compile, bool):
-        raise ValueError(f"args.pools.{name}.compile must be true or false, got {pool.compile!r}")
-    if not pool.compile:
-        return
+def _check_option_type(f: Feature, value: Any, pool: str) -> None:
+    """A pool option has its feature's type: true/false, or a threshold (a number, null for off)."""
+    if f.option_type is bool and not isinstance(value, bool):
+        raise ValueError(f"{f.where_in(pool)} must be true or false, got {value!r}")
+    if f.option_type is float and value is not None:
+        error = step_cache_error(value)
+        if error is not None:
+            raise ValueError(f"{f.where_in(pool)} {error} (or null)")
+
+
+def _with_defaults(pool: PoolArgs, name: str, given: dict[str, Any], app_on: frozenset[str],
+                   device: str) -> PoolArgs:
+    """The high pool with `high`'s default techniques on where the pool does not set them, its other settings admit
+    them (model.features.refusal) and the techniques each was measured with are on."""
     if name != "high":
-        raise ValueError(f"args.pools.{name}.compile: torch.compile is for the high pool only; the {name} pool "
-                         "must stay byte-identical to eager diffusers")
-    if pool.tp != 1:
-        raise ValueError(f"args.pools.{name}.compile is not supported with tp > 1 (got tp={pool.tp})")
-    if pool.compile_sizes is not None and not isinstance(pool.compile_sizes, list):
-        raise ValueError(f"args.pools.{name}.compile_sizes must be a list of 'WxH', got {pool.compile_sizes!r}")
+        return pool
+    for f in FEATURES:
+        if not f.high_default or f.key in given:
+            continue
+        on = pool.techniques() | app_on
+        if all(d in on for d in f.default_with) and refusal(f.name, pool=name, tp=pool.tp, device=device,
+                                                             on=on) is None:
+            pool = replace(pool, **{f.key: True})
+    return pool
 
 
-def _check_high_only_switch(pool: PoolArgs, name: str, key: str) -> None:
-    value = getattr(pool, key)
-    if not isinstance(value, bool):
-        raise ValueError(f"args.pools.{name}.{key} must be true or false, got {value!r}")
-    if value and name != "high":
-        raise ValueError(f"args.pools.{name}.{key} is for the high pool only: it is not bit-exact, and the {name} "
-                         "pool must stay byte-identical to eager diffusers")
-
-
-def _check_cuda_graphs(pool: PoolArgs, name: str) -> None:
-    if not isinstance(pool.cuda_graphs, bool):
-        raise ValueError(f"args.pools.{name}.cuda_graphs must be true or false, got {pool.cuda_graphs!r}")
-    if not pool.cuda_graphs:
-        return
-    if pool.tp != 1:
-        raise ValueError(f"args.pools.{name}.cuda_graphs is not supported with tp > 1 (got tp={pool.tp}): the "
-                         "ranks' collectives are not captured")
-    if pool.compile:
-        raise ValueError(f"args.pools.{name}: cuda_graphs and compile exclude each other (a compiled batch never "
-                         "replays graphs); choose one")
+def pool_refusal(args: AppArgs, pool: str, name: str, subject: str | None = None) -> str | None:
+    """Why pool `pool` of a parsed config cannot run technique `name` (e.g. asked for by a request), or None."""
+    p = args.pools[pool]
+    on = p.techniques() | app_techniques(args.to_dict())
+    return refusal(name, pool=pool, tp=p.tp, device=args.device, on=on, subject=subject)
 
 
 _LORA_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-def _check_loras(loras: Any, pools: dict[str, PoolArgs], fuse: Any = False) -> None:
+def _check_loras(loras: Any, fuse: Any = False) -> None:
     if not isinstance(fuse, bool):
         raise ValueError(f"args.fuse_lora must be true or false, got {fuse!r}")
     if fuse and (not isinstance(loras, dict) or len(loras) != 1):
@@ -324,43 +287,6 @@ def _check_loras(loras: Any, pools: dict[str, PoolArgs], fuse: Any = False) -> N
             raise ValueError(f"args.loras: adapter name {name!r} must be 1-64 of letters, digits, '_', '.', '-'")
         if not isinstance(path, str) or not path:
             raise ValueError(f"args.loras.{name} must be a file path, got {path!r}")
-    if not loras:
-        return
-    for q, pool in pools.items():
-        if pool.tp != 1:
-            raise ValueError(f"args.loras is not supported with tp > 1 yet (pool {q} has tp={pool.tp})")
-        if pool.compile:
-            raise ValueError(f"args.loras is not supported with compile yet (pool {q})")
-        if pool.cuda_graphs and not fuse:
-            raise ValueError(f"args.loras: pool {q} has cuda_graphs on; a captured step would replay the adapter set "
-                             "it was captured with. Turn cuda_graphs off for per-request adapters, or fuse the one "
-                             "adapter (fuse_lora)")
-        if (pool.fp8 or pool.fused_projections) and not fuse:
-            raise ValueError(f"args.loras: pool {q} has fp8 / fused_projections on, which convert the linears the "
-                             "adapters wrap; turn them off for a deployment that serves LoRAs, or fuse its one adapter (fuse_lora)")
-
-
-def step_cache_refusal(pool: PoolArgs, name: str) -> str | None:
-    """Why pool `name` cannot run a First-Block step cache, set in its config or asked for by a request; or None."""
-    if name != "high":
-        return (f"the step cache is for the high pool only: skipped steps are not bit-exact, and the {name} pool "
-                "must stay byte-identical to eager diffusers")
-    if pool.tp != 1:
-        return (f"the step cache is not supported with tp > 1 yet (pool {name} has tp={pool.tp}): every rank would "
-                "have to take the same skip decision")
-    return None
-
-
-def _check_step_cache(pool: PoolArgs, name: str) -> None:
-    t = pool.step_cache_threshold
-    if t is None:
-        return
-    error = step_cache_error(t)
-    if error is not None:
-        raise ValueError(f"args.pools.{name}.step_cache_threshold {error} (or null)")
-    refusal = step_cache_refusal(pool, name)
-    if refusal is not None:
-        raise ValueError(f"args.pools.{name}.step_cache_threshold: {refusal}")
 
 
 def _reject_unknown(raw: dict[str, Any], cls: type, where: str) -> None:

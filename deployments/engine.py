@@ -21,11 +21,12 @@ from typing import Any, Callable, Protocol
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.config import COMPILE_WARMUP_STEPS, AppArgs, PoolArgs, compile_warmup_plan
+from deployments.config import AppArgs, PoolArgs
 from deployments.errors import PoolUnavailable
+from model.form import ServingForm, build_pipeline, form_report
 from model.pipeline import GenerationCancelled, GenerationResult
 from model.preview import PreviewSink
-from model.request import GenerationRequest, torch_dtype
+from model.request import GenerationRequest
 from tp.dist import find_free_port, resolve_backend
 
 logger = logging.getLogger("ray.serve")
@@ -54,7 +55,7 @@ def make_engine(args: AppArgs, pool: str) -> Engine:
     pool_args = args.pools[pool]
     if pool_args.tp == 1:
         return LocalEngine(args, pool)
-    engine = TPEngine(args, pool_args)
+    engine = TPEngine(args, pool_args, args.form(pool))
     engine.start()
     return engine
 
@@ -69,58 +70,15 @@ def _assigned_cpus() -> int:
 
 
 class LocalEngine:
-    """tp == 1: the pipeline in this process; compile warm-up and CUDA graphs as the pool's settings ask."""
+    """tp == 1: the pipeline in this process, built into the pool's form (model.form.build_pipeline)."""
 
     def __init__(self, args: AppArgs, pool: str) -> None:
         import torch
 
-        from model.loading import load_pipeline
-
         self.args, self.pool = args, pool
-        pool_args = args.pools[pool]
-        threads = pool_args.cpu_threads or _assigned_cpus() or os.cpu_count() or 1
+        threads = args.pools[pool].cpu_threads or _assigned_cpus() or os.cpu_count() or 1
         torch.set_num_threads(int(threads))
-        self.pipe = load_pipeline(args.model, device=args.device, dtype=torch_dtype(args.dtype))
-        self.pipe.high_fast_norm = pool_args.fast_norm
-        self.pipe.high_attention8 = pool_args.attention8
-        self.pipe.high_step_cache = pool_args.step_cache_threshold
-        if args.loras:
-            self.pipe.load_loras(args.loras)
-            if args.fuse_lora:
-                [name] = args.loras
-                self.pipe.fuse_lora(name)
-        self.high_form = self._convert_for_high(pool_args)
-        if pool_args.compile:
-            self.warm_up_compile()
-        if pool_args.cuda_graphs:
-            # Captured lazily: the first request of each batch size / resolution pays two eager steps and the
-            # capture, every later step replays.
-            self.pipe.enable_cuda_graphs()
-
-    def _convert_for_high(self, pool_args: PoolArgs) -> dict[str, Any] | None:
-        """The high pool's lifetime form (fused projections, fp8 layers), converted once before serving. fp8 where
-        it cannot run (CPU, pre-Ada GPU, non-bf16) is refused with a warning and the bf16 layers kept."""
-        if not (pool_args.fp8 or pool_args.fused_projections):
-            return None
-        refused = None
-        fp8 = pool_args.fp8
-        if fp8:
-            refused = self.pipe.fp8_refusal()
-            if refused is not None:
-                logger.warning("pool=%s: fp8 refused (%s); serving without fp8", self.pool, refused)
-                fp8 = False
-        form = self.pipe.convert_for_high(fp8=fp8, fused_projections=pool_args.fused_projections)
-        form["fp8_refused"] = refused
-        logger.info("pool=%s: high form %s", self.pool, form)
-        return form
-
-    def warm_up_compile(self) -> None:
-        """Compile the high pool's blocks before the replica reports ready, for every size and batch size it
-        can be asked for (graphs are shape-specialised), so no request pays compilation."""
-        sizes, batch_sizes = compile_warmup_plan(self.args, self.pool)
-        seconds = self.pipe.enable_compile(sizes, steps=COMPILE_WARMUP_STEPS, batch_sizes=batch_sizes)
-        logger.info("pool=%s: compiled for sizes %s, batch sizes %s in %.1f s", self.pool, sizes, batch_sizes,
-                    seconds)
+        self.pipe = build_pipeline(args.form(pool))
 
     async def generate(self, requests: list[GenerationRequest], should_stop: Callable[[], bool],
                        previews: PreviewSink | None = None) -> list[GenerationResult]:
@@ -131,7 +89,7 @@ class LocalEngine:
 
     def stats(self) -> dict[str, Any]:
         graphs = self.pipe.step_graphs
-        return {"cuda_graphs": None if graphs is None else graphs.stats(), "high_form": self.high_form}
+        return {"cuda_graphs": None if graphs is None else graphs.stats(), "form": form_report(self.pipe.form)}
 
     def actor_names(self) -> list[str]:
         return []
@@ -167,9 +125,10 @@ def _rank_actor_class() -> Any:
 class TPEngine:
     """tp > 1: this actor coordinates one TPWorker actor per placement-group bundle (SPMD; see the module doc)."""
 
-    def __init__(self, args: AppArgs, pool: PoolArgs) -> None:
+    def __init__(self, args: AppArgs, pool: PoolArgs, form: ServingForm) -> None:
         self.args = args
         self.pool = pool
+        self.form = form  # what every rank builds (model.form.build_pipeline), then shards
         self.workers: list[Any] = []
         self._names: list[str] = []
         self.broken: str | None = None  # set on the first rank failure; the replica is then unhealthy
@@ -204,16 +163,12 @@ class TPEngine:
             ).remote(
                 rank=rank,
                 world_size=self.pool.tp,
-                model_path_or_preset=self.args.model,
-                device=self.args.device,
-                dtype=self.args.dtype,
+                form=self.form,
                 backend=backend,
                 master_addr=master_addr,
                 port=port,
                 timeout_s=self.pool.collective_timeout_s,
                 cpu_threads=threads,
-                fast_norm=self.pool.fast_norm,
-                attention8=self.pool.attention8,
             )
             self.workers.append(w)
             self._names.append(name)

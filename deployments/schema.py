@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from deployments.config import AppArgs, step_cache_refusal
+from deployments.config import AppArgs, pool_refusal
 from deployments.errors import BadRequest
 from model.preview import MAX_PARTIAL_IMAGES
 from model.request import QUALITIES, SEED_LIMIT, GenerationRequest, decode_image, format_size, step_cache_error
@@ -212,9 +212,9 @@ def _check_step_cache(threshold: float | None, quality: str, args: AppArgs) -> N
     error = step_cache_error(threshold)
     if error is not None:
         raise BadRequest("step_cache", f"step_cache {error}")
-    refusal = step_cache_refusal(args.pools[quality], quality)
+    refusal = pool_refusal(args, quality, "step_cache", subject="step_cache")
     if refusal is not None:
-        raise BadRequest("step_cache", f"step_cache: {refusal} (this request asks for quality {quality!r})")
+        raise BadRequest("step_cache", f"{refusal} (this request asks for quality {quality!r})")
 
 
 def _loras(refs: list[LoraRef], args: AppArgs) -> tuple[tuple[str, float], ...]:

@@ -168,7 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("verify", help="reference vs lossless vs high, side by side")
     _common(v)
     v.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    f = sub.add_parser("features", help="the techniques a replica can run (model/features.py), as a table")
+    f.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
+    if args.command == "features":
+        from model import features
+
+        print(json.dumps(features.as_dicts(), indent=1) if args.json else features.table_markdown(), end="\n"
+              if args.json else "")
+        return 0
     try:
         return cmd_generate(args) if args.command == "generate" else cmd_verify(args)
     except (ValueError, OSError) as exc:  # bad request knobs, unknown preset, an unreadable --image / --mask

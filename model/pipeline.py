@@ -12,13 +12,15 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from model import faults
+from model.features import HIGH_DEFAULTS, feature
+from model.form import BATCH_DEFAULTS, ServingForm
 from model.preview import PreviewSink, previewer_of
-from model.request import HIGH_DEFAULTS, GenerationRequest, Quality, decode_image, png_bytes, validate_batch
+from model.request import GenerationRequest, Quality, decode_image, png_bytes, validate_batch
 from model.tiers import Ran, TierPlan, applied_tier, plan_tier
 
 if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request types without needing torch
@@ -162,27 +164,47 @@ class FluxServePipeline:
         self.pipe = pipe
         self.source = source
         self.folder = Path(folder) if folder is not None else None
+        # What this pipeline serves with (model.form.ServingForm): one frozen value, replaced by the builder's
+        # steps below (`use`, `load_loras`, `fuse_lora`, `convert_for_high`, `enable_compile`, `enable_cuda_graphs`).
+        self.form = ServingForm(model=str(source or folder or ""), device=str(self.device),
+                                dtype=str(self.dtype).removeprefix("torch."))
         self.last_mount_report: Any = None
         # (double, single) compiled block runners for "high" batches; None until enable_compile().
         self._compiled_runners: tuple[Any, Any] | None = None
         self.compile_warmup_s: float | None = None
-        # "high" batches only: run LayerNorm+modulate through the fast single-pass kernel (not bit-exact).
-        self.high_fast_norm = False
-        # "high" batches only: 8-bit attention (int8 Q K^T, fp8 P V) instead of SDPA (not bit-exact).
-        self.high_attention8 = False
         # CUDA graphs of the transformer step; None until enable_cuda_graphs().
         self._step_graphs: StepGraphs | None = None
-        # LoRA adapters loaded once (load_loras): name -> file; a batch activates the ones its requests name.
-        self.loras: dict[str, str] = {}
-        self.fused_lora: tuple[str, float] | None = None  # (name, scale) fused into the weights by fuse_lora
-        # "high" batches only: First-Block-Cache threshold (not bit-exact); None: every step computed.
-        self.high_step_cache: float | None = None
-        # The transformer's high-tier lifetime form (convert_for_high): then it serves "high" batches only.
-        self.fp8 = False
-        self.fused_projections = False
         self.fp8_layers = 0  # fp8 linear layers the conversion made (reported in each result's `ran`)
         # generate() mounts/unmounts sites on the shared transformer: never let two batches interleave.
         self._lock = threading.Lock()
+
+    @property
+    def fp8(self) -> bool:
+        return self.form.fp8
+
+    @property
+    def fused_projections(self) -> bool:
+        return self.form.fused_projections
+
+    @property
+    def loras(self) -> dict[str, str]:
+        """The adapters loaded once (`load_loras`): name -> file; a batch activates the ones its requests name."""
+        return dict(self.form.loras)
+
+    @property
+    def fused_lora(self) -> tuple[str, float] | None:
+        """(name, scale) of the adapter `fuse_lora` merged into the weights, or None."""
+        return self.form.fused_lora
+
+    def use(self, **defaults: Any) -> ServingForm:
+        """Set what high batches switch on by default: the form's per-batch pool techniques of the feature table
+        (`fast_norm=True`, `attention8=True`, `step_cache=0.1`; a request may still set its own step cache).
+        Returns the new form."""
+        unknown = set(defaults) - BATCH_DEFAULTS
+        if unknown:
+            raise ValueError(f"use(): {sorted(unknown)} are not per-batch techniques; those are {sorted(BATCH_DEFAULTS)}")
+        self.form = replace(self.form, **defaults)
+        return self.form
 
     @property
     def transformer(self) -> torch.nn.Module:
@@ -233,6 +255,7 @@ class FluxServePipeline:
         elif max_graphs != self._step_graphs.max_graphs:
             self._step_graphs.reset()
             self._step_graphs = StepGraphs(max_graphs=max_graphs)
+        self.form = replace(self.form, cuda_graphs=True)
         if self.device.type != "cuda":
             logger.warning("CUDA graphs enabled on %s: every step will run eager", self.device)
         return self._step_graphs
@@ -243,6 +266,7 @@ class FluxServePipeline:
             with self._lock:
                 self._step_graphs.reset()
                 self._step_graphs = None
+                self.form = replace(self.form, cuda_graphs=False)
 
     def enable_compile(self, sizes: list[tuple[int, int]], steps: int = 2,
                        batch_sizes: tuple[int, ...] | list[int] = (1,)) -> float:
@@ -270,6 +294,8 @@ class FluxServePipeline:
         if self._compiled_runners is None:
             self._compiled_runners = (torch.compile(run_double_block, dynamic=False),
                                       torch.compile(run_single_block, dynamic=False))
+        self.form = replace(self.form, compile=True, warm_sizes=tuple((int(h), int(w)) for h, w in sizes),
+                            warm_batch_sizes=tuple(int(b) for b in batch_sizes))
         t0 = time.perf_counter()
         for height, width in sizes:
             for b in batch_sizes:
@@ -291,7 +317,7 @@ class FluxServePipeline:
                 if name in self.loras:
                     continue
                 self.pipe.load_lora_weights(str(path), adapter_name=name)
-                self.loras[name] = str(path)
+                self.form = replace(self.form, loras=(*self.form.loras, (name, str(path))))
             if self.loras:
                 self.pipe.disable_lora()
 
@@ -306,8 +332,7 @@ class FluxServePipeline:
             self.pipe.set_adapters([name], [float(scale)])
             self.pipe.fuse_lora(components=["transformer"], lora_scale=1.0, adapter_names=[name])
             self.pipe.unload_lora_weights()
-            self.loras = {}
-            self.fused_lora = (name, float(scale))
+            self.form = replace(self.form, loras=(), fused_lora=(name, float(scale)))
             if self._step_graphs is not None:
                 self._step_graphs.reset()
 
@@ -349,12 +374,12 @@ class FluxServePipeline:
                 if self.fp8:
                     raise ValueError("fuse projections before quantizing to fp8")
                 self.transformer.fuse_qkv_projections()
-                self.fused_projections = True
+                self.form = replace(self.form, fused_projections=True)
             if fp8 and not self.fp8:
                 from kernels.fp8 import Fp8Linear
 
                 kept = self.transformer.quantize_fp8(adaln=fp8_adaln)
-                self.fp8 = True
+                self.form = replace(self.form, fp8=True)
                 self.fp8_layers = sum(isinstance(m, Fp8Linear) for m in self.transformer.modules())
             if self._step_graphs is not None:
                 self._step_graphs.reset()  # captured with the old layers
@@ -367,17 +392,16 @@ class FluxServePipeline:
         `convert_for_high`'s report."""
         form = self.convert_for_high(fp8="fp8" in HIGH_DEFAULTS and self.fp8_refusal() is None,
                                      fused_projections="fused_projections" in HIGH_DEFAULTS)
-        self.high_fast_norm = "fast_norm" in HIGH_DEFAULTS
-        self.high_attention8 = "attention8" in HIGH_DEFAULTS
+        self.use(fast_norm="fast_norm" in HIGH_DEFAULTS, attention8="attention8" in HIGH_DEFAULTS)
         return form
 
     def plan(self, quality: Quality, compiled: bool | None = None, cuda_graphs: bool | None = None,
              step_cache: float | None = None) -> TierPlan:
         """The tier plan of a batch of `quality` under this pipeline's settings. `compiled` (default: after
         `enable_compile`) applies to high batches only; `cuda_graphs` (default: after `enable_cuda_graphs`) to
-        either tier except a compiled high batch or one with a step cache; `high_fast_norm` and `high_attention8` on
+        either tier except a compiled high batch or one with a step cache; the form's fast_norm and attention8 on
         CUDA fp16/bf16 only (elsewhere the sites stay exact). `step_cache`: the batch's threshold (default:
-        `high_step_cache`; 0: every step computed)."""
+        the form's; 0: every step computed)."""
         if compiled is None:
             compiled = self.compile_enabled
         if compiled and quality == "high" and self._compiled_runners is None:
@@ -389,11 +413,11 @@ class FluxServePipeline:
         if quality != "high" and (self.fp8 or self.fused_projections):
             raise ValueError(f"this pipeline's transformer was converted for the high tier (fp8={self.fp8}, "
                              f"fused_projections={self.fused_projections}): it cannot serve {quality!r} batches")
-        half_cuda = self._cuda_half()
-        return plan_tier(quality, fast_norm=self.high_fast_norm and half_cuda,
-                         attention8=self.high_attention8 and half_cuda, compiled=compiled,
-                         cuda_graphs=cuda_graphs, fp8=self.fp8, fused_projections=self.fused_projections,
-                         step_cache=(self.high_step_cache if step_cache is None else step_cache) or None)
+        form = self.form
+        return plan_tier(quality, fast_norm=form.fast_norm and self.runs("fast_norm"),
+                         attention8=form.attention8 and self.runs("attention8"), compiled=compiled,
+                         cuda_graphs=cuda_graphs, fp8=form.fp8, fused_projections=form.fused_projections,
+                         step_cache=(form.step_cache if step_cache is None else step_cache) or None)
 
     def generate(self, requests: list[GenerationRequest], progress: bool = False,
                  should_stop: Callable[[], bool] | None = None,
@@ -441,9 +465,7 @@ class FluxServePipeline:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _cuda_half(self) -> bool:
-        # The fast LayerNorm+modulate and 8-bit attention kernels exist for CUDA fp16/bf16 only; elsewhere the
-        # sites stay exact.
-        import torch
-
-        return self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+    def runs(self, technique: str) -> bool:
+        """Whether `technique`'s kernels run for this pipeline's device and dtype (the feature table's `runs_on`);
+        where they do not, its sites stay on their exact kernels."""
+        return feature(technique).runs_on(self.device.type, str(self.dtype).removeprefix("torch."))

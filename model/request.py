@@ -19,10 +19,6 @@ if TYPE_CHECKING:
 
 Quality = Literal["lossless", "high"]
 QUALITIES: tuple[Quality, ...] = ("lossless", "high")
-# The techniques `high` runs by default: each met the quality bar (bench/results/high-h200.md). The pool config turns
-# them on where the pool's other settings admit them (deployments/config.py); `FluxServePipeline.take_high_defaults`
-# takes them all (`python -m model verify`, `bench/e2e.py --high-default`).
-HIGH_DEFAULTS: frozenset[str] = frozenset({"fused_projections", "fp8", "fast_norm", "attention8"})
 
 # Canonical dtype names (what configs and results say) and the short forms the CLI also accepts.
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")

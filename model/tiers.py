@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import kernels
 from kernels.modulate import set_fast_norm
 from model.execution import FirstBlockCache, running
+from model.features import exclusion, feature, is_on
 from model.flux import set_attention8
 from model.request import Quality
 
@@ -43,14 +44,25 @@ class TierPlan:
     step_cache: float | None = None
 
     def __post_init__(self) -> None:
-        if self.quality == "lossless" and (self.mount_gelu or self.fast_norm or self.attention8 or self.compiled
-                                           or self.fp8 or self.fused_projections or self.step_cache is not None):
+        on = self.techniques()
+        if self.quality == "lossless" and any(not feature(name).exact for name in on):
             raise ValueError(f"a lossless plan may not switch on non-exact kernels, compiled blocks or a converted "
                              f"(fp8 / fused-projection) transformer: {self}")
-        if self.fp8 and self.mount_gelu:
-            raise ValueError("fp8 layers take their GELU inside the quantization pass: no GELU sites to mount")
-        if self.compiled and self.cuda_graphs:
-            raise ValueError("a compiled batch never replays CUDA graphs")
+        for a, b in _CONTRADICTIONS:
+            if a in on and b in on:
+                raise ValueError(exclusion(a, b))
+
+    def techniques(self) -> frozenset[str]:
+        """The feature-table techniques this plan switches on (model/features.py)."""
+        return frozenset(name for attr, name in _TECHNIQUE_OF.items() if is_on(getattr(self, attr)))
+
+
+# TierPlan field -> its row of the feature table.
+_TECHNIQUE_OF = {"mount_gelu": "gelu_sites", "fast_norm": "fast_norm", "attention8": "attention8",
+                 "compiled": "compile", "cuda_graphs": "cuda_graphs", "fp8": "fp8",
+                 "fused_projections": "fused_projections", "step_cache": "step_cache"}
+# Pairs of the table's exclusions that no single batch can run (the others are a pool's choice, measured).
+_CONTRADICTIONS = (("gelu_sites", "fp8"), ("compile", "cuda_graphs"))
 
 
 def plan_tier(quality: Quality, *, fast_norm: bool = False, attention8: bool = False, compiled: bool = False,

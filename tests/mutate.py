@@ -41,9 +41,13 @@ MODULES: dict[str, list[str]] = {
     "model/pipeline.py": ["tests/test_edits.py", "tests/test_lora.py", "tests/test_preview.py", "tests/test_pipeline.py"],
     "kernels/fp8.py": ["tests/test_fp8.py"],
     "kernels/residual.py": ["tests/test_kernels.py", "tests/test_kernels_gpu.py"],
-    "kernels/modulate.py": ["tests/test_flux_lossless.py"],
-    "kernels/rope.py": ["tests/test_flux_lossless.py"],
-    "kernels/gelu.py": ["tests/test_kernels.py"],
+    # The kernels' CUDA branches run only on a GPU host (FLUXSERVE_MUTATE_GPU=1, the GPU tests included).
+    "kernels/modulate.py": ["tests/test_kernels.py", "tests/test_flux_lossless.py", "tests/test_tiers.py",
+                            "tests/test_fp8.py", "tests/test_kernels_gpu.py", "tests/test_pipeline_gpu.py"],
+    "kernels/rope.py": ["tests/test_kernels.py", "tests/test_flux_lossless.py", "tests/test_attention.py",
+                        "tests/test_kernels_gpu.py", "tests/test_pipeline_gpu.py"],
+    "kernels/gelu.py": ["tests/test_kernels.py", "tests/test_tiers.py", "tests/test_flux.py", "tests/test_kernels_gpu.py",
+                        "tests/test_pipeline_gpu.py"],
     "tp/layers.py": ["tests/test_tp_layers.py"],  # tests/test_tp.py runs the layers in spawned ranks, out of reach
 }
 

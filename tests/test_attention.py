@@ -186,8 +186,8 @@ def test_a_step_cache_batch_keeps_graphs_and_attention8(tiny_path: Path, monkeyp
     assert plan_tier("high", attention8=True, cuda_graphs=True).attention8
     assert plan_tier("high", attention8=True, step_cache=0.1).attention8
     pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
-    monkeypatch.setattr(type(pipe), "_cuda_half", lambda self: True)
-    pipe.high_attention8 = True
+    monkeypatch.setattr(type(pipe), "runs", lambda self, technique: True)
+    pipe.use(attention8=True)
     pipe.enable_cuda_graphs()
     for plan in (pipe.plan("high"), pipe.plan("high", step_cache=0.2)):
         assert plan.attention8 and plan.cuda_graphs
@@ -208,9 +208,9 @@ def test_applied_tier_switches_every_attention_and_restores_sdpa_even_on_error()
 
 def test_the_pipeline_plans_attention8_for_high_on_cuda_half_only(tiny_path: Path, monkeypatch) -> None:
     pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
-    pipe.high_attention8 = True
+    pipe.use(attention8=True)
     assert not pipe.plan("high").attention8  # CPU fp32: SDPA stays
-    monkeypatch.setattr(type(pipe), "_cuda_half", lambda self: True)
+    monkeypatch.setattr(type(pipe), "runs", lambda self, technique: True)
     assert pipe.plan("high").attention8 and not pipe.plan("lossless").attention8
     seen: list[int] = []
     hook = pipe.transformer.register_forward_pre_hook(lambda m, a: seen.append(attention8_sites(m)))
@@ -286,7 +286,7 @@ def test_gpu_high_batch_with_attention8(tiny_path: Path) -> None:
     pipe = load_pipeline(str(tiny_path), device="cuda", dtype=torch.bfloat16)
     req = GenerationRequest("a red circle", height=128, width=128, steps=2, seed=0, quality="high")
     plain = pipe.generate([req])[0]
-    pipe.high_attention8 = True
+    pipe.use(attention8=True)
     r = pipe.generate([req])[0]
     assert r.ran.attention8_sites > 0 and attention8_sites(pipe.transformer) == 0
     assert _rel(r.latents, plain.latents) < 0.1 and not torch.equal(r.latents, plain.latents)

@@ -129,7 +129,7 @@ def test_compiled_needs_enable_compile_and_checks_its_arguments(tiny_pipe) -> No
 
 
 def test_lossless_pool_refuses_compile() -> None:
-    with pytest.raises(ValueError, match=r"args\.pools\.lossless\.compile: .*high pool only.*byte-identical"):
+    with pytest.raises(ValueError, match=r"args\.pools\.lossless\.compile is for the high pool only.*byte-identical"):
         AppArgs.parse({"pools": {"lossless": {"compile": True}}})
 
 
@@ -160,47 +160,40 @@ def test_fast_norm_is_a_high_pool_switch() -> None:
 
 
 def test_high_pool_compile_warm_up_plan() -> None:
-    from deployments.config import compile_warmup_plan
+    from deployments.config import warm_plan
 
     args = AppArgs.parse({"default_size": "256x128", "max_batch_size": 3, "pools": {"high": {"compile": True}}})
     assert args.pools["high"].compile and not args.pools["lossless"].compile
-    assert compile_warmup_plan(args, "high") == ([(128, 256)], [1, 2, 3])
-    assert compile_warmup_plan(args, "lossless") == ([], [1])
+    assert warm_plan(args, "high") == ([(128, 256)], [1, 2, 3])
+    assert warm_plan(args, "lossless") == ([(128, 256)], [1])  # batch-invariant: one request per call
     sized = AppArgs.parse({"pools": {"high": {"compile": True, "compile_sizes": ["64x64", "128x64"],
                                               "batch_invariant": True}}})
-    assert compile_warmup_plan(sized, "high") == ([(64, 64), (64, 128)], [1])
-    assert AppArgs.parse(None).compile_sizes("high") == []  # off by default
+    assert warm_plan(sized, "high") == ([(64, 64), (64, 128)], [1])
+    assert not AppArgs.parse(None).form("high").compile  # off by default
 
 
-# In a subprocess: importing Ray in this process would fix its auth mode before tests/test_serve.py sets it.
-_REPLICA_SCRIPT = """
-from deployments.config import COMPILE_WARMUP_STEPS, AppArgs
-from deployments.engine import LocalEngine
+def test_the_builder_warms_up_the_pools_compile_plan(monkeypatch) -> None:
+    """A compiled pool's form carries every size and batch size it can be asked for, and `build_pipeline` compiles
+    for all of them before the replica serves (a wrong plan would leave a request to pay compilation)."""
+    from model import loading
+    from model.form import COMPILE_WARMUP_STEPS, build_pipeline
 
-calls = []
+    calls = []
 
-class Pipe:
-    def enable_compile(self, sizes, steps, batch_sizes):
-        calls.append((sizes, steps, batch_sizes))
-        return 1.5
+    class Pipe:
+        form = None
 
-engine = LocalEngine.__new__(LocalEngine)
-engine.args = AppArgs.parse({"max_batch_size": 2, "pools": {"high": {"compile": True}}})
-engine.pool = "high"
-engine.pipe = Pipe()
-engine.warm_up_compile()
-assert calls == [([(256, 256)], COMPILE_WARMUP_STEPS, [1, 2])], calls
-print("warm-up plan ok")
-"""
+        def use(self, **defaults):
+            self.defaults = defaults
 
+        def enable_compile(self, sizes, steps, batch_sizes):
+            calls.append((sizes, steps, batch_sizes))
+            self.compile_warmup_s = 1.5
 
-def test_replica_warms_up_the_plan_through_enable_compile() -> None:
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", _REPLICA_SCRIPT], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    assert done.returncode == 0 and "warm-up plan ok" in done.stdout, done.stderr[-3000:]
+    monkeypatch.setattr(loading, "load_pipeline", lambda *a, **k: Pipe())
+    form = AppArgs.parse({"max_batch_size": 2, "pools": {"high": {"compile": True}}}).form("high")
+    assert build_pipeline(form).defaults == {"fast_norm": True, "attention8": False, "step_cache": None}
+    assert calls == [([(256, 256)], COMPILE_WARMUP_STEPS, [1, 2])]
 
 
 # ---------------------------------------------------------------------------------------------------------------

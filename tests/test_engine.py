@@ -74,7 +74,7 @@ class _Rank:
 
 def _engine(*ranks: _Rank) -> engine_mod.TPEngine:
     args = AppArgs.parse({"pools": {"high": {"tp": len(ranks), "fp8": False, "fused_projections": False}}})
-    e = engine_mod.TPEngine(args, args.pools["high"])
+    e = engine_mod.TPEngine(args, args.pools["high"], args.form("high"))
     e.workers = list(ranks)
     return e
 
@@ -172,11 +172,12 @@ def test_the_local_engine_serves_the_pools_settings(tiny_path, threads, caplog) 
                                                      "cpu_threads": 2}},
                   graphs=True)
     p = high.pipe
-    assert (p.high_fast_norm, p.high_attention8, p.high_step_cache) == (True, False, 0.25)
+    assert (p.form.fast_norm, p.form.attention8, p.form.step_cache) == (True, False, 0.25)
     assert (p.fused_projections, p.fp8) == (True, False) and torch.get_num_threads() == 2
-    form = high.stats()["high_form"]
-    assert form["fused_projections"] and not form["fp8"] and "CUDA" in form["fp8_refused"], form
-    assert any("fp8 refused" in r.getMessage() and "pool=high" in r.getMessage() for r in caplog.records)
+    form = high.stats()["form"]
+    assert form["techniques"] == ["cuda_graphs", "fast_norm", "fused_projections", "step_cache"], form
+    assert list(form["refused"]) == ["fp8"] and "CUDA" in form["refused"]["fp8"]
+    assert any("fp8 refused" in r.getMessage() for r in caplog.records)
     assert high.stats()["cuda_graphs"] == p.step_graphs.stats() and p.cuda_graphs_enabled
     job = [GenerationRequest("a red fox", height=64, width=64, steps=2, seed=1, quality="high")]
     (result,) = _run(high.generate(job, lambda: False))
@@ -185,8 +186,8 @@ def test_the_local_engine_serves_the_pools_settings(tiny_path, threads, caplog) 
     high.release_memory()
 
     lossless = _local(tiny_path, "lossless", pools={"lossless": {"cpu_threads": 1}})
-    assert lossless.stats() == {"cuda_graphs": None, "high_form": None}
-    assert (lossless.pipe.fp8, lossless.pipe.fused_projections, lossless.pipe.high_step_cache) == (False, False, None)
+    assert lossless.stats() == {"cuda_graphs": None, "form": {"techniques": [], "refused": {}}}
+    assert (lossless.pipe.fp8, lossless.pipe.fused_projections, lossless.pipe.form.step_cache) == (False, False, None)
     assert torch.get_num_threads() == 1
 
 
@@ -197,10 +198,11 @@ def test_the_local_engine_loads_and_fuses_adapters(tiny_path, threads, tmp_path)
     ink = str(write_random_lora(load_pipeline(str(tiny_path)).transformer, tmp_path / "ink.safetensors", 1))
     for pool in ("lossless", "high"):
         e = _local(tiny_path, pool, loras={"ink": ink})
-        assert e.pipe.loras == {"ink": ink} and e.stats()["high_form"] is None  # adapters keep the high pool bf16
+        assert e.pipe.loras == {"ink": ink}
+        assert {"fp8", "fused_projections"}.isdisjoint(e.stats()["form"]["techniques"])  # adapters keep bf16
     fused = _local(tiny_path, "high", loras={"ink": ink}, fuse_lora=True)
     assert fused.pipe.fused_lora == ("ink", 1.0) and fused.pipe.loras == {}
-    assert fused.stats()["high_form"]["fused_projections"]  # converted after the merge (fp8 refused on the CPU)
+    assert {"fused_lora", "fused_projections"} <= set(fused.stats()["form"]["techniques"])  # converted after the merge
 
 
 # -- TPEngine.start: the ranks it asks Ray for ---------------------------------------------------------------------
@@ -238,7 +240,7 @@ def _start(monkeypatch, pool: dict, device: str = "cpu", bundles: int | None = N
     monkeypatch.setattr(ray, "get", lambda refs: setups.extend(refs) or refs)
     monkeypatch.setattr(engine_mod, "find_free_port", lambda host: 29511 if host == "10.1.2.3" else 1)
     monkeypatch.setattr(engine_mod, "_rank_actor_class", lambda: fake)
-    e = engine_mod.TPEngine(args, args.pools["high"])
+    e = engine_mod.TPEngine(args, args.pools["high"], args.form("high"))
     e.start()
     return e, fake, setups, pg
 
@@ -258,9 +260,10 @@ def test_start_asks_for_one_rank_per_bundle_with_the_pools_settings(monkeypatch)
         assert strategy.placement_group is pg and strategy.placement_group_bundle_index == rank
         assert strategy.placement_group_capture_child_tasks
         assert options["runtime_env"] == {"env_vars": {"NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "3"}}
-        assert kwargs == {"rank": rank, "world_size": 2, "model_path_or_preset": "tiny", "device": "cpu",
-                          "dtype": "bfloat16", "backend": "gloo", "master_addr": "10.1.2.3", "port": 29511,
-                          "timeout_s": 45.0, "cpu_threads": 3, "fast_norm": True, "attention8": False}
+        assert kwargs == {"rank": rank, "world_size": 2, "form": e.form, "backend": "gloo",
+                          "master_addr": "10.1.2.3", "port": 29511, "timeout_s": 45.0, "cpu_threads": 3}
+        assert (e.form.model, e.form.device, e.form.dtype, e.form.fast_norm, e.form.attention8) == (
+            "tiny", "cpu", "bfloat16", True, False)
     assert setups == ["setup 0", "setup 1"]
 
 
@@ -316,7 +319,7 @@ def test_start_outside_a_placement_group_names_what_it_needs(monkeypatch) -> Non
     args = AppArgs.parse({"pools": {"high": {"tp": 2, "fp8": False, "fused_projections": False}}})
     monkeypatch.setattr(ray.util, "get_current_placement_group", lambda: None)
     with pytest.raises(RuntimeError) as exc:
-        engine_mod.TPEngine(args, args.pools["high"]).start()
+        engine_mod.TPEngine(args, args.pools["high"], args.form("high")).start()
     assert str(exc.value) == ("tp=2 needs a placement group with 2 bundles (got None); see "
                               "deployments.app.pool_options")
 
@@ -418,7 +421,7 @@ def test_fp8_alone_is_converted_or_refused_with_its_reason(tiny_path, threads) -
     """A pool asking for fp8 without fused projections still converts (here: fp8 refused on the CPU, reported);
     one asking for neither is left as loaded, with no refusal to report."""
     only_fp8 = _local(tiny_path, "high", pools={"high": {"fp8": True, "fused_projections": False}})
-    form = only_fp8.stats()["high_form"]
-    assert form["fp8"] is False and form["fused_projections"] is False and "CUDA" in form["fp8_refused"]
+    form = only_fp8.stats()["form"]
+    assert {"fp8", "fused_projections"}.isdisjoint(form["techniques"]) and "CUDA" in form["refused"]["fp8"]
     fused = _local(tiny_path, "high", pools={"high": {"fp8": False, "fused_projections": True}})
-    assert fused.stats()["high_form"]["fp8_refused"] is None
+    assert fused.stats()["form"]["refused"] == {} and "fused_projections" in fused.stats()["form"]["techniques"]

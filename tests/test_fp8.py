@@ -522,9 +522,10 @@ from deployments.config import AppArgs
 from deployments.engine import LocalEngine
 args = AppArgs.parse({"model": sys.argv[1], "pools": {"high": {"fp8": True, "fused_projections": True}}})
 engine = LocalEngine(args, "high")
-form = engine.stats()["high_form"]
-assert form["fused_projections"] and not form["fp8"] and "CUDA" in form["fp8_refused"], form
-assert LocalEngine(args, "lossless").stats()["high_form"] is None
+form = engine.stats()["form"]
+assert "fused_projections" in form["techniques"] and "fp8" not in form["techniques"], form
+assert "CUDA" in form["refused"]["fp8"], form
+assert LocalEngine(args, "lossless").stats()["form"] == {"techniques": [], "refused": {}}
 print("engine form ok")
 """
 
@@ -1036,7 +1037,7 @@ def test_pipeline_step_cache_counts_skipped_steps(tiny_path: Path) -> None:
     pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
     base = pipe.generate([GenerationRequest("a red fox", height=64, width=64, steps=6, seed=1, quality="high")])[0]
     assert "cached_steps" not in base.timings
-    pipe.high_step_cache = 0.9  # random tiny weights: a loose threshold so that some steps are skipped
+    pipe.use(step_cache=0.9)  # random tiny weights: a loose threshold so that some steps are skipped
     got = pipe.generate([GenerationRequest("a red fox", height=64, width=64, steps=6, seed=1, quality="high")])[0]
     assert 1 <= got.timings["cached_steps"] <= 5
     assert not torch.equal(got.latents, base.latents)
@@ -1058,7 +1059,7 @@ def test_a_requests_step_cache_overrides_the_pools(tiny_path: Path, capsys: pyte
     plain = high()
     asked = high(step_cache=0.9)  # the pool has no cache: the request's own
     assert 1 <= asked.timings["cached_steps"] <= 5 and not torch.equal(asked.latents, plain.latents)
-    pipe.high_step_cache = 0.9
+    pipe.use(step_cache=0.9)
     pooled = high()
     assert torch.equal(pooled.latents, asked.latents) and pooled.png == asked.png
     off = high(step_cache=0.0)  # the pool caches, this request computes every step

@@ -488,10 +488,10 @@ def test_cli_verify_runs_the_high_pools_default_techniques(tiny_path, monkeypatc
     8-bit attention, as the high pool does by default (their kernels then refuse the CPU tensors and fall back)."""
     from model.__main__ import main
     from model.pipeline import FluxServePipeline
-    from model.request import HIGH_DEFAULTS
+    from model.features import HIGH_DEFAULTS
 
     assert {"fast_norm", "attention8"} <= HIGH_DEFAULTS
-    monkeypatch.setattr(FluxServePipeline, "_cuda_half", lambda self: True)
+    monkeypatch.setattr(FluxServePipeline, "runs", lambda self, technique: True)
     rc = main(["verify", "--model", str(tiny_path), "--steps", "2", "--size", "64x64", "--json", "--no-progress"])
     high = json.loads(capsys.readouterr().out)["high"]
     assert rc == 0 and high["ran"]["fast_norm_sites"] > 0 and high["ran"]["attention8_sites"] > 0, high
@@ -536,12 +536,12 @@ def test_fast_norm_switches_for_high_batches_only(tiny_pipe, monkeypatch) -> Non
     assert set_fast_norm(model, False) == n_sites
     req, high_req = GenerationRequest("a fox", steps=2, seed=3), GenerationRequest("a fox", steps=2, seed=3,
                                                                                      quality="high")
-    tiny_pipe.high_fast_norm = True
+    tiny_pipe.use(fast_norm=True)
     seen: list[int] = []
     hook = model.register_forward_pre_hook(lambda m, a: seen.append(fast_norm_sites(m)))
     try:
         assert tiny_pipe.generate([high_req])[0].ran.fast_norm_sites == 0 and seen == [0, 0]  # CPU: refused
-        monkeypatch.setattr(type(tiny_pipe), "_cuda_half", lambda self: True)
+        monkeypatch.setattr(type(tiny_pipe), "runs", lambda self, technique: True)
         seen.clear()
         high = tiny_pipe.generate([high_req])[0]
         assert high.ran.fast_norm_sites == n_sites and seen == [n_sites, n_sites]
@@ -557,7 +557,7 @@ def test_fast_norm_switches_for_high_batches_only(tiny_pipe, monkeypatch) -> Non
         assert seen == [0, 0]
     finally:
         hook.remove()
-        tiny_pipe.high_fast_norm = False
+        tiny_pipe.use(fast_norm=False)
         set_fast_norm(model, False)
 
 
@@ -650,7 +650,7 @@ def test_each_result_reports_what_its_batch_ran(tiny_path) -> None:
 
     assert pipe.generate([req()])[0].ran == Ran()
     assert pipe.generate([req(quality="high", step_cache=0.5)])[0].ran == Ran(step_cache=0.5)
-    pipe.high_step_cache = 0.25
+    pipe.use(step_cache=0.25)
     assert pipe.generate([req(quality="high")])[0].ran == Ran(step_cache=0.25)
     pipe.convert_for_high(fused_projections=True)
     pipe.enable_cuda_graphs()

@@ -112,11 +112,11 @@ def test_gpu_high_fast_norm_switches_sites_and_stays_close(gpu_pipe) -> None:
     n_sites = 3 * model.config.num_layers + model.config.num_single_layers + sum(isinstance(m, FluxAttention) for m in model.modules())
     lossless = gpu_pipe.generate([GenerationRequest("a bowl of ramen", seed=5, steps=4)])[0]
     high = gpu_pipe.generate([GenerationRequest("a bowl of ramen", seed=5, steps=4, quality="high")])[0]
-    gpu_pipe.high_fast_norm = True
+    gpu_pipe.use(fast_norm=True)
     try:
         fast = gpu_pipe.generate([GenerationRequest("a bowl of ramen", seed=5, steps=4, quality="high")])[0]
     finally:
-        gpu_pipe.high_fast_norm = False
+        gpu_pipe.use(fast_norm=False)
     assert fast.ran.fast_norm_sites == n_sites and high.ran.fast_norm_sites == 0 and fast_norm_sites(model) == 0
     assert not torch.equal(fast.latents, high.latents)  # the fast kernel really ran
     assert ssim(fast.png, lossless.png) > 0.9

@@ -30,8 +30,8 @@ def _validate(args: AppArgs = ARGS, **body: Any):
 
 # (field, value just inside, value just outside, the 400's whole message: a reason a user reads, so pinned whole)
 SIZE_FORM = 'size must be "WxH" with integer W and H (e.g. "256x256"), got '
-LOSSLESS_CACHE = ("step_cache: the step cache is for the high pool only: skipped steps are not bit-exact, and the "
-                  "lossless pool must stay byte-identical to eager diffusers (this request asks for quality 'lossless')")
+LOSSLESS_CACHE = ("step_cache is for the high pool only: it is not bit-exact, and the lossless pool must stay "
+                  "byte-identical to eager diffusers (this request asks for quality 'lossless')")
 BOUNDS = [
     ("n", {"n": 1}, {"n": 0}, "n must be between 1 and 3, got 0"),
     ("n", {"n": 3}, {"n": 4}, "n must be between 1 and 3, got 4"),
@@ -115,7 +115,9 @@ def test_a_request_step_cache_reaches_its_jobs_and_splits_batches() -> None:
     tp2 = AppArgs.parse({"pools": {"high": {"tp": 2}}})
     with pytest.raises(BadRequest) as exc:
         _validate(tp2, quality="high", step_cache=0.1)
-    assert exc.value.param == "step_cache" and "not supported with tp > 1 yet (pool high has tp=2)" in exc.value.message
+    assert exc.value.param == "step_cache" and exc.value.message == (
+        "step_cache is not supported with tp > 1 (got tp=2): every rank would have to take the same skip decision "
+        "(this request asks for quality 'high')")
     assert _validate(tp2, quality="high").jobs[0].step_cache is None  # without the field a tp 2 pool serves it
 
 
@@ -294,7 +296,7 @@ def test_edit_form_step_cache() -> None:
     assert job.step_cache == 0.2 and job.image == files["image"]
     with pytest.raises(BadRequest, match="step_cache must be a number, got 'some'"):
         validate_edit({"prompt": "a", "quality": "high", "step_cache": "some"}, files, ARGS, MODEL)
-    with pytest.raises(BadRequest, match="the step cache is for the high pool only"):
+    with pytest.raises(BadRequest, match="step_cache is for the high pool only"):
         validate_edit({"prompt": "a", "step_cache": "0.2"}, files, ARGS, MODEL)
 
 

@@ -90,7 +90,7 @@ def test_plans_that_contradict_themselves_are_refused_with_the_reason() -> None:
     assert str(exc.value) == "fp8 layers take their GELU inside the quantization pass: no GELU sites to mount"
     with pytest.raises(ValueError) as exc:
         TierPlan("high", compiled=True, cuda_graphs=True)
-    assert str(exc.value) == "a compiled batch never replays CUDA graphs"
+    assert str(exc.value) == "a compiled batch never replays graphs"
 
 
 def test_plan_tier_carries_the_form_and_the_step_cache_to_high_only() -> None:

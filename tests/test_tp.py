@@ -94,8 +94,10 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
     torch.set_num_threads(1)  # two ranks on two cores
     _check_missing_rank(rank, res)
 
-    worker = TPWorker(rank, WORLD, tiny_path, device="cpu", dtype="float32", port=port, backend="gloo",
-                      timeout_s=GROUP_TIMEOUT_S)
+    from model.form import ServingForm
+
+    worker = TPWorker(rank, WORLD, ServingForm(str(tiny_path), device="cpu", dtype="float32"), port=port,
+                      backend="gloo", timeout_s=GROUP_TIMEOUT_S)
     res["setup"] = worker.setup()
     group = worker.group
     res["ping"] = worker.ping()

@@ -36,8 +36,10 @@ def _rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None:
         from tp.worker import TPWorker
 
         device = f"cuda:{rank}"  # plain processes see every GPU: pick ours explicitly
-        worker = TPWorker(rank, WORLD, tiny_path, device=device, dtype="bfloat16", port=port, backend="nccl",
-                          timeout_s=60.0)
+        from model.form import ServingForm
+
+        worker = TPWorker(rank, WORLD, ServingForm(str(tiny_path), device=device, dtype="bfloat16"), port=port,
+                          backend="nccl", timeout_s=60.0)
         res["setup"] = worker.setup()
         full = load_transformer(Path(tiny_path), torch.bfloat16).to(device)
         eager = FluxTransformer2DModel.from_pretrained(Path(tiny_path) / "transformer", torch_dtype=torch.bfloat16)

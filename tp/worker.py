@@ -15,43 +15,40 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from model.request import GenerationRequest, torch_dtype
+from model.form import ServingForm, build_pipeline
+from model.request import GenerationRequest
 
 from .dist import DEFAULT_PORT, DEFAULT_TIMEOUT_S, default_backend, init_tp, shutdown_tp
 from .shard import agree_all_ranks, check_replicas_identical, shard_flux_transformer
 
 class TPWorker:
+    """One rank: `form` is what every rank of the replica builds (model.form.build_pipeline), then shards."""
+
     def __init__(
         self,
         rank: int,
         world_size: int,
-        model_path_or_preset: str,
-        device: str = "cpu",
-        dtype: torch.dtype | str = torch.float32,
+        form: ServingForm,
         master_addr: str = "127.0.0.1",
         port: int = DEFAULT_PORT,
         backend: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         cpu_threads: int | None = None,
-        fast_norm: bool = False,
-        attention8: bool = False,
     ) -> None:
         self.rank, self.world_size = rank, world_size
-        self.model_path_or_preset = model_path_or_preset
-        self.device = device
-        self.dtype = torch_dtype(dtype)
+        self.form = form
+        self.device = form.device
         self.master_addr, self.port = master_addr, port
-        self.backend = backend or default_backend(device)
+        self.backend = backend or default_backend(form.device)
         self.timeout_s = timeout_s
         self.cpu_threads = cpu_threads
-        self.fast_norm = fast_norm  # "high" batches: fast LayerNorm+modulate (a local, rank-independent choice)
-        self.attention8 = attention8  # "high" batches: 8-bit attention over this rank's heads (likewise local)
         self.group = None
         self.ctrl_group = None
         self.pipe = None
@@ -60,7 +57,7 @@ class TPWorker:
         self._previews_lock = threading.Lock()
 
     def setup(self) -> dict[str, Any]:
-        """Join the group, load the full pipeline on this rank's device, shard the transformer in place."""
+        """Join the group, then build the form on this rank's device, sharding the transformer once loaded."""
         if self.cpu_threads:  # Ray pins OMP_NUM_THREADS=1 in actors
             torch.set_num_threads(int(self.cpu_threads))
         device = torch.device(self.device)
@@ -79,14 +76,15 @@ class TPWorker:
             backend="gloo", timeout=timedelta(seconds=self.timeout_s)
         )
         t1 = time.perf_counter()
-        from model.loading import load_pipeline
+        loaded: list[float] = []
 
-        pipe = load_pipeline(self.model_path_or_preset, device=self.device, dtype=self.dtype)
-        t2 = time.perf_counter()
-        check_replicas_identical(pipe.transformer, self.ctrl_group)
-        shard_flux_transformer(pipe.transformer, self.rank, self.world_size, self.group)
-        pipe.high_fast_norm = self.fast_norm
-        pipe.high_attention8 = self.attention8
+        def shard(transformer: torch.nn.Module) -> None:
+            loaded.append(time.perf_counter())
+            check_replicas_identical(transformer, self.ctrl_group)
+            shard_flux_transformer(transformer, self.rank, self.world_size, self.group)
+
+        pipe = build_pipeline(replace(self.form, device=self.device), shard=shard)
+        t2 = loaded[0]
         self.pipe = pipe
         return {
             "rank": self.rank,
@@ -98,7 +96,7 @@ class TPWorker:
             else None,
             "init_s": t1 - t0,
             "load_s": t2 - t1,
-            "shard_s": time.perf_counter() - t2,
+            "build_s": time.perf_counter() - t2,
         }
 
     def generate(self, requests: list[GenerationRequest], preview_steps: tuple[int, ...] = ()) -> list | None:

@@ -1,0 +1,147 @@
+"""The feature table (model/features.py) is the one place a technique's rules live: the config's refusals and
+defaults, HIGH_DEFAULTS, the tier plan's checks, the README's table and `python -m model features` derive from it."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import subprocess
+import sys
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+
+from deployments.config import AppArgs, PoolArgs
+from model import features
+from model.features import FEATURES, HIGH_DEFAULTS, POOL_OPTIONS, exclusion, feature
+
+ROOT = Path(__file__).resolve().parents[1]
+TP_REFUSED = [f for f in POOL_OPTIONS if f.tp_refusal is not None]
+
+
+def _on(f: features.Feature) -> object:
+    return 0.1 if f.option_type is float else True
+
+
+@pytest.mark.parametrize("f", TP_REFUSED, ids=lambda f: f.name)
+def test_each_row_tp_does_not_admit_is_refused_at_tp_2_with_its_reason(f: features.Feature) -> None:
+    """Catches a config that lets a technique through at tp > 1 that its row refuses, or words it otherwise."""
+    device = "cuda" if f.elsewhere == "config" else "cpu"
+    others = {g.key: False for g in POOL_OPTIONS if g.high_default}  # the defaults out of the way
+    with pytest.raises(ValueError) as exc:
+        AppArgs.parse({"device": device, "pools": {"high": {**others, "tp": 2, f.key: _on(f)}}})
+    assert str(exc.value) == f"args.pools.high.{f.key} is not supported with tp > 1 (got tp=2): {f.tp_refusal}"
+
+
+def test_a_row_changed_in_the_table_alone_changes_the_config(monkeypatch) -> None:
+    """The refusal comes from the row, not from code naming the technique: give fast_norm (admitted at tp > 1) a
+    made-up reason and the config refuses it with that reason; without the change it is accepted."""
+    raw = {"pools": {"high": {"tp": 2, "fast_norm": True}}}
+    assert AppArgs.parse(raw).pools["high"].fast_norm
+    planted = dataclasses.replace(feature("fast_norm"), tp_refusal="a reason only this test knows")
+    monkeypatch.setitem(features.BY_NAME, "fast_norm", planted)
+    with pytest.raises(ValueError) as exc:
+        AppArgs.parse(raw)
+    assert str(exc.value) == ("args.pools.high.fast_norm is not supported with tp > 1 (got tp=2): "
+                              "a reason only this test knows")
+
+
+def test_config_code_names_no_pool_technique() -> None:
+    """deployments/config.py holds no string or attribute naming a pool technique: its rules are the table's."""
+    tree = ast.parse((ROOT / "deployments" / "config.py").read_text())
+    keys = {f.key for f in POOL_OPTIONS} | {f.name for f in POOL_OPTIONS}
+    named = sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in keys}
+                   | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in keys
+                      and not (isinstance(n.value, ast.Name) and n.value.id == "re")})  # (re.compile)
+    assert named == []
+
+
+def test_pool_args_has_one_field_per_pool_option_with_its_off_value() -> None:
+    pool = PoolArgs()
+    for f in POOL_OPTIONS:
+        assert getattr(pool, f.key) is (None if f.option_type is float else False), f.name
+    assert pool.techniques() == frozenset()
+
+
+@pytest.mark.parametrize("f", [f for f in POOL_OPTIONS if not f.exact], ids=lambda f: f.name)
+def test_the_lossless_pool_refuses_each_non_exact_option(f: features.Feature) -> None:
+    with pytest.raises(ValueError) as exc:
+        AppArgs.parse({"pools": {"lossless": {f.key: _on(f)}}})
+    assert str(exc.value) == (f"args.pools.lossless.{f.key} is for the high pool only: it is not bit-exact, and the "
+                              "lossless pool must stay byte-identical to eager diffusers")
+
+
+def test_exact_options_are_admitted_in_the_lossless_pool() -> None:
+    exact = [f for f in POOL_OPTIONS if f.exact]
+    assert exact  # (CUDA-graph replay)
+    for f in exact:
+        assert getattr(AppArgs.parse({"device": "cuda", "pools": {"lossless": {f.key: True}}}).pools["lossless"],
+                       f.key)
+
+
+@pytest.mark.parametrize("a, b", [(a.name, b.name) for a, b in combinations(POOL_OPTIONS, 2)
+                                  if exclusion(a.name, b.name)])
+def test_each_excluded_pair_is_refused_in_either_order_with_its_reason(a: str, b: str) -> None:
+    fa, fb = feature(a), feature(b)
+    raw = {"device": "cuda", "pools": {"high": {fa.key: _on(fa), fb.key: _on(fb)}}}
+    with pytest.raises(ValueError) as exc:
+        AppArgs.parse(raw)
+    assert str(exc.value).endswith(f"exclude each other: {exclusion(a, b)}; choose one")
+    assert {fa.key, fb.key} <= set(str(exc.value).replace(":", " ").replace(".", " ").split())
+
+
+def test_device_bound_options_are_refused_elsewhere() -> None:
+    for f in (f for f in POOL_OPTIONS if f.elsewhere == "config"):
+        with pytest.raises(ValueError) as exc:
+            AppArgs.parse({"device": "cpu", "pools": {"lossless": {f.key: True}}})
+        assert str(exc.value) == f"args.pools.lossless.{f.key} needs device: cuda (got device: 'cpu')"
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ({}, {"fast_norm", "fp8", "fused_projections"}),  # attention8 waits for cuda_graphs
+    ({"device": "cuda", "pools": {"high": {"cuda_graphs": True}}},
+     {"fast_norm", "fp8", "fused_projections", "attention8", "cuda_graphs"}),
+    ({"pools": {"high": {"tp": 2}}}, {"fast_norm"}),  # the converted form is refused at tp > 1
+    ({"pools": {"high": {"compile": True}}}, {"fast_norm", "compile"}),
+    ({"loras": {"ink": "/x"}}, {"fast_norm"}),  # per-request adapters keep the linears bf16
+    ({"loras": {"ink": "/x"}, "fuse_lora": True, "device": "cuda", "pools": {"high": {"cuda_graphs": True}}},
+     {"fast_norm", "fp8", "fused_projections", "attention8", "cuda_graphs"}),
+    ({"pools": {"high": {"fp8": False}}}, {"fast_norm", "fused_projections"}),  # a default turned off stays off
+])
+def test_high_defaults_follow_the_table(raw: dict, expected: set) -> None:
+    args = AppArgs.parse(raw)
+    assert args.pools["high"].techniques() == expected
+    assert args.pools["lossless"].techniques() <= {"cuda_graphs"}
+
+
+def test_high_defaults_are_the_rows_marked_so() -> None:
+    assert HIGH_DEFAULTS == {f.name for f in FEATURES if f.high_default} == {
+        "fused_projections", "fp8", "fast_norm", "attention8"}
+
+
+def test_a_pools_form_carries_its_techniques() -> None:
+    args = AppArgs.parse({"device": "cuda", "dtype": "bfloat16", "max_batch_size": 3,
+                          "pools": {"high": {"cuda_graphs": True, "step_cache_threshold": 0.2}}})
+    form = args.form("high")
+    assert form.techniques() == args.pools["high"].techniques()
+    assert (form.model, form.device, form.dtype, form.step_cache) == (args.model, "cuda", "bfloat16", 0.2)
+    compiled = AppArgs.parse({"max_batch_size": 2, "pools": {"high": {"compile": True}}}).form("high")
+    assert (compiled.warm_sizes, compiled.warm_batch_sizes) == (((256, 256),), (1, 2))
+
+
+def test_the_readme_table_is_the_tables() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- features:begin -->\n", 1)[1].split("<!-- features:end -->", 1)[0]
+    assert block == features.table_markdown()
+
+
+def test_the_cli_prints_the_table() -> None:
+    done = subprocess.run([sys.executable, "-m", "model", "features"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout == features.table_markdown(), done.stderr
+    done = subprocess.run([sys.executable, "-m", "model", "features", "--json"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    import json
+
+    assert [row["name"] for row in json.loads(done.stdout)] == [f.name for f in FEATURES]
