@@ -1,7 +1,7 @@
 """The fp8 GEMMs of the high tier at FLUX.1-dev's shapes (a script): fast accumulation, and the weight-only GEMV
 of the AdaLN modulation.
 
-1. Token GEMMs (rows = tokens): bf16 `F.linear` against `Fp8Linear.matmul` (`torch._scaled_mm`, per-row and
+1. Token GEMMs (rows = tokens): bf16 `F.linear` against `model.linear.Linear.matmul` (fp8) (`torch._scaled_mm`, per-row and
    per-channel scales) with the `fp8_fast_accum` switch off and on; relative error of each against the fp32 product
    of the same fp8 operands.
 2. AdaLN modulation (one row per image): bf16 `F.linear` against the weight-only fp8 GEMV and against quantizing
@@ -49,11 +49,11 @@ ADALN = [
 ]
 
 
-def _layers(K: int, N: int, sets: int, weight_only: bool = False) -> list[tuple[nn.Linear, fp8.Fp8Linear]]:
+def _layers(K: int, N: int, sets: int, weight_only: bool = False) -> list[tuple[nn.Linear, Linear]]:
     out = []
     for _ in range(sets):
         lin = nn.Linear(K, N, device="cuda", dtype=torch.bfloat16)
-        out.append((lin, fp8.Fp8Linear.from_linears([lin], weight_only=weight_only)))
+        out.append((lin, Linear.from_linears([lin], quant=FP8_WEIGHT_ONLY if weight_only else FP8)))
     return out
 
 

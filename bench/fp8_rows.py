@@ -36,7 +36,7 @@ ROWS = sorted({*range(1, 49), 64, 80, 100, 128, 255, 256, 257, 1000, 1024, 4096,
 def gemm(M: int, K: int, N: int, fast: bool) -> None:
     dev = torch.device("cuda")
     lin = torch.nn.Linear(K, N, device=dev, dtype=torch.bfloat16)
-    layer = fp8.Fp8Linear.from_linears([lin])
+    layer = Linear.from_linears([lin], quant=FP8)
     q, s = fp8.quantize_rows(torch.randn(M, K, device=dev, dtype=torch.bfloat16))
     # the op itself, not the layer: the layer's 64-row rule and its fallback would hide what cuBLAS refuses
     torch._scaled_mm(q, layer.weight.t(), scale_a=s, scale_b=layer.weight_scale, bias=layer.bias,

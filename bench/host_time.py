@@ -64,7 +64,7 @@ HOST_FUNCTIONS = [
     ("kernels.attention", "fp8_attention", "Triton 8-bit attention (quantize q, k, v + kernel)"),
     ("kernels.attention", "sdpa", "SDPA"),
     ("model.flux", "rms_rope_cat", "QK RMSNorm + RoPE on the SDPA path (rms_rope_cat)"),
-    ("kernels.fp8", "Fp8Linear.forward", "fp8 linear layers"),
+    ("model.linear", "Linear.forward", "linear layers (fp8 and sharded)"),
     ("kernels.fp8", "quantize_rows", "row quantization (quantize_rows)"),
 ]
 

@@ -79,7 +79,7 @@ def _time(fn, device: torch.device, warmup: int, reps: int) -> list[float]:
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
-    from tp import layers as tp_layers
+    from model import linear as tp_layers
     from tp.dist import init_tp
     from tp.shard import check_replicas_identical, shard_flux_transformer
 

@@ -14,10 +14,9 @@ Lossless (bit-exact with eager):
 High tier (not bit-exact):
 - `fused_linear_gelu_tanh`      Linear + tanh-GELU in one GEMM epilogue, per-shape dispatch     (kernels/gelu.py)
 - `layer_norm_modulate(..., fast=True)`  single-pass LayerNorm + modulation (kernels/_high_triton.py)
-- `fp8.Fp8Linear`               e4m3 weights (per-channel scales), `torch._scaled_mm`, bf16 out  (kernels/fp8.py)
+- `fp8.scaled_mm`               e4m3 rows x e4m3 weights (per-row / per-channel scales), bf16 out (kernels/fp8.py)
 - `fp8.weight_only_linear`      a few bf16 rows against an fp8 weight (the AdaLN modulation)    (kernels/_fp8_triton.py)
 - `fp8.quantize_rows`           per-row fp8 quantization of `[a | gelu(b)]` in one pass        (kernels/_fp8_triton.py)
-- `fp8.linear_cat_gelu`         `linear(cat([a, gelu(b)]))`, the GELU inside the fp8 quantization pass
 - `layer_norm_modulate(..., fp8=True)`  LayerNorm + modulation quantized per row in the same pass (`fp8.Fp8Rows`)
 - `attention.attention(..., fp8=True)`  int8 Q K^T, fp8 P V (kernels/_attention_fp8_triton.py); SDPA where refused
 - `rope.rms_rope_cat(..., fast=True)`  QK RMSNorm + RoPE in one non-exact pass (kernels/_high_triton.py)

@@ -1,5 +1,6 @@
-"""FP8 (e4m3) linear layers for the `high` tier (not bit-exact): weights quantized once per output channel,
-activations quantized per row by one Triton pass, `torch._scaled_mm` with bias and bf16 output.
+"""FP8 (e4m3) ops for the `high` tier's linear layers (not bit-exact; the layer is `model.linear.Linear` with its
+`FP8` method): weights quantized once per output channel, activations quantized per row by one Triton pass,
+`torch._scaled_mm` with bias and bf16 output.
 
 An activation is quantized in the same pass that would otherwise only copy or activate it: `quantize_rows(a, b)`
 reads `a` and optionally a second part `b` (with tanh-GELU applied to it), finds each row's absolute maximum over
@@ -18,11 +19,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from . import switches
 
@@ -59,7 +58,7 @@ WEIGHT_ONLY_ROWS = 16
 @dataclass(frozen=True)
 class Fp8Rows:
     """An activation quantized per row: fp8 `q` [M, K], fp32 `scale` [M, 1], standing for a tensor of `shape`
-    [..., K] (M its leading elements). `Fp8Linear` takes it in place of that tensor."""
+    [..., K] (M its leading elements). An fp8 `model.linear.Linear` takes it in place of that tensor."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -225,95 +224,3 @@ def scaled_mm(q: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight
                            M, K, N, "on" if use_fast else "off", REFUSED[key],
                            "without fast accumulation" if use_fast else "the eager fp32 form")
     return scaled_mm_eager(q, weight, scale, weight_scale, bias)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The layer
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class Fp8Linear(nn.Module):
-    """A linear layer with fp8 e4m3 weights (per output channel scales) and bf16 input/output.
-
-    `forward(x)` quantizes x per row (or takes the `Fp8Rows` its producer already quantized) and runs one
-    `torch._scaled_mm`; `matmul(q, scale)` takes rows some other pass quantized. Built from one or several
-    `nn.Linear`s (`from_linears`: stacked along the output dimension, so q/k/v become one GEMM); the bf16 weights are
-    not kept. `weight_only` (layers fed one row per image, e.g. the AdaLN modulation): inputs of at most
-    `WEIGHT_ONLY_ROWS` rows stay bf16 and go through the weight-only GEMV.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 device: torch.device | str | None = None, weight_only: bool = False) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight_only = weight_only
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device),
-                                   requires_grad=False)
-        self.register_buffer("weight_scale", torch.ones(1, out_features, dtype=torch.float32, device=device))
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features, dtype=torch.bfloat16, device=device),
-                                     requires_grad=False)
-        else:
-            self.register_parameter("bias", None)
-
-    @classmethod
-    def from_linears(cls, linears: Sequence[nn.Linear], weight_only: bool = False) -> Fp8Linear:
-        """One fp8 layer computing `cat([l(x) for l in linears], -1)` (not bit-exact)."""
-        first = linears[0]
-        if any(lin.in_features != first.in_features for lin in linears):
-            raise ValueError("stacked linears must share in_features")
-        with_bias = [lin.bias is not None for lin in linears]
-        if any(with_bias) != all(with_bias):
-            raise ValueError("stacked linears must all have a bias or none")
-        out = sum(lin.out_features for lin in linears)
-        layer = cls(first.in_features, out, bias=all(with_bias), device=first.weight.device, weight_only=weight_only)
-        with torch.no_grad():
-            q, scale = quantize_weight(torch.cat([lin.weight for lin in linears], dim=0))
-            layer.weight.copy_(q)
-            layer.weight_scale.copy_(scale)
-            if layer.bias is not None:
-                layer.bias.copy_(torch.cat([lin.bias for lin in linears]).to(torch.bfloat16))
-        return layer
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-                + (", weight_only=True" if self.weight_only else ""))
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """The weight this layer multiplies by, in fp32 (tests and error reports)."""
-        return self.weight.float() * self.weight_scale.t()
-
-    def matmul(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """fp8 [M, K] with fp32 scale [M, 1] -> bf16 [M, N] (fast accumulation from `FAST_ACCUM_MIN_ROWS` rows)."""
-        if q.device.type != "cuda":
-            return scaled_mm_eager(q, self.weight, scale, self.weight_scale, self.bias)
-        return scaled_mm(q, self.weight, scale, self.weight_scale, self.bias, fast_accumulation(q.shape[0]))
-
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
-        if isinstance(x, Fp8Rows):  # quantized by the pass that produced it
-            return self.matmul(x.q, x.scale).view(*x.shape[:-1], self.out_features)
-        # (Under torch.compile the GEMV's launcher is not traced: the layer takes the quantized GEMM instead.)
-        if self.weight_only and x.shape[:-1].numel() <= WEIGHT_ONLY_ROWS and not torch.compiler.is_compiling():
-            y = weight_only_linear(_rows(x), self.weight, self.weight_scale, self.bias)
-            return y.view(*x.shape[:-1], self.out_features)
-        q, scale = quantize_rows(x)
-        return self.matmul(q, scale).view(*x.shape[:-1], self.out_features)
-
-
-def linear_cat_gelu(linear: nn.Module, a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
-    """`linear(cat([a, gelu_tanh(b)], -1))` (`a` may be None): an `Fp8Linear` quantizes both parts and applies the
-    GELU in one pass, with no bf16 intermediate; any other layer runs the eager expression."""
-    if isinstance(linear, Fp8Linear):
-        q, scale = quantize_rows(b[..., :0] if a is None else a, b, gelu_b=True)  # no `a`: a zero-width part
-        return linear.matmul(q, scale).view(*b.shape[:-1], linear.out_features)
-    act = F.gelu(b, approximate="tanh")
-    return linear(act if a is None else torch.cat([a, act], dim=-1))
-
-
-def convertible(linear: nn.Module) -> str | None:
-    """Why `linear` cannot become an `Fp8Linear`, or None."""
-    if type(linear) is not nn.Linear:
-        return f"{type(linear).__name__} is not an nn.Linear"
-    reason = fp8_refusal(linear.weight.device, linear.weight.dtype)
-    return reason or shape_refusal(linear.in_features, linear.out_features)

@@ -186,8 +186,9 @@ def fused_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 
 def _layer_type_ok(layer: nn.Module) -> bool:
-    # Exact type: subclasses of nn.Linear (quantized/foreign wrappers) may not compute `x @ W.T + b`.
-    return type(layer) is nn.Linear or getattr(type(layer), "fused_gelu_compatible", False) is True
+    # Exact type: subclasses of nn.Linear (quantized/foreign wrappers) may not compute `x @ W.T + b`; another layer
+    # says whether its local computation is `F.linear(x, weight, bias)` (model.linear.Linear: plain, not gathering).
+    return type(layer) is nn.Linear or getattr(layer, "fused_gelu_compatible", False) is True
 
 
 def can_fuse_linear_gelu(layer: nn.Module, x: torch.Tensor | None = None) -> tuple[bool, str]:
@@ -196,6 +197,8 @@ def can_fuse_linear_gelu(layer: nn.Module, x: torch.Tensor | None = None) -> tup
     Static checks on the layer always; dynamic checks on `x` when given.
     """
     if not _layer_type_ok(layer):
+        if hasattr(layer, "fused_gelu_compatible"):
+            return False, f"{type(layer).__qualname__} does not compute F.linear(x, weight, bias) locally ({layer})"
         return False, f"unsupported layer type {type(layer).__module__}.{type(layer).__qualname__}"
     weight = getattr(layer, "weight", None)
     bias = getattr(layer, "bias", None)
@@ -203,8 +206,6 @@ def can_fuse_linear_gelu(layer: nn.Module, x: torch.Tensor | None = None) -> tup
         return False, "layer has no 2-D weight"
     if bias is None:
         return False, "layer has no bias"
-    if getattr(layer, "gather_output", False) and getattr(layer, "tp_size", 1) > 1:
-        return False, "column-parallel layer gathers its output (the fused call would skip the gather)"
     if weight.dtype not in _HALF:
         return False, f"weight dtype {weight.dtype} is not fp16/bf16"
     if not _device_supported(weight.device):

@@ -34,11 +34,12 @@ from diffusers.utils import apply_lora_scale, logging
 
 from kernels import gelu_site, mark_fused_gelu_site, residual_gate_add, switches
 from kernels.attention import attention, rope_attention_fp8
-from kernels.fp8 import Fp8Linear, convertible, fp8_refusal, linear_cat_gelu
+from kernels.fp8 import fp8_refusal
 from kernels.gelu import unmark_fused_gelu_site
 from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site, norm_fp8, set_norm_fp8
 from kernels.rope import rms_rope_cat
 from model.execution import StepExecution, execution_of
+from model.linear import FP8, FP8_WEIGHT_ONLY, Linear, convertible, is_fp8, linear_cat_gelu
 
 logger = logging.get_logger(__name__)
 
@@ -122,7 +123,7 @@ class FluxFeedForward(nn.Module):
     @property
     def gelu_in_down_proj(self) -> bool:
         """High tier, fp8: the GELU runs inside the down-projection's input quantization (no bf16 activation)."""
-        return isinstance(self.net[0].proj, Fp8Linear) and isinstance(self.net[2], Fp8Linear)
+        return is_fp8(self.net[0].proj) and is_fp8(self.net[2])
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.gelu_in_down_proj:  # (Dropout: p=0 at inference)
@@ -212,10 +213,10 @@ class FluxAttention(nn.Module):
         """q, k, v as one stacked linear (and add_q/k/v as another); the separate layers are dropped. Not bit-exact
         (one wider GEMM may take another cuBLAS kernel): high tier only."""
         if self.to_qkv is None:
-            self.to_qkv = _stack_linears([self.to_q, self.to_k, self.to_v])
+            self.to_qkv = Linear.from_linears([self.to_q, self.to_k, self.to_v])
             del self.to_q, self.to_k, self.to_v
         if self.added_kv_proj_dim is not None and self.to_added_qkv is None:
-            self.to_added_qkv = _stack_linears([self.add_q_proj, self.add_k_proj, self.add_v_proj])
+            self.to_added_qkv = Linear.from_linears([self.add_q_proj, self.add_k_proj, self.add_v_proj])
             del self.add_q_proj, self.add_k_proj, self.add_v_proj
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
@@ -388,13 +389,13 @@ class FluxSingleTransformerBlock(nn.Module):
     def mlp_gelu_in_proj_out(self) -> bool:
         """High tier (fused projections or fp8 proj_out): the MLP's GELU is applied inside proj_out's input pass
         (`linear_cat_gelu`; with fp8, no bf16 activation at all)."""
-        return self.to_qkv_mlp is not None or isinstance(self.proj_out, Fp8Linear)
+        return self.to_qkv_mlp is not None or is_fp8(self.proj_out)
 
     def fuse_projections(self) -> None:
         """attn q/k/v and proj_mlp as one stacked linear; the separate layers are dropped (high tier only)."""
         if self.to_qkv_mlp is None:
             attn = self.attn
-            self.to_qkv_mlp = _stack_linears([attn.to_q, attn.to_k, attn.to_v, self.proj_mlp])
+            self.to_qkv_mlp = Linear.from_linears([attn.to_q, attn.to_k, attn.to_v, self.proj_mlp])
             del attn.to_q, attn.to_k, attn.to_v, self.proj_mlp
             unmark_fused_gelu_site(self, "proj_mlp")
 
@@ -458,21 +459,6 @@ def _cat_tokens(txt: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
     out[:, :txt.shape[1]].copy_(txt)
     out[:, txt.shape[1]:].copy_(img)
     return out
-
-
-def _stack_linears(linears: list[nn.Linear]) -> nn.Linear:
-    """One nn.Linear computing `cat([l(x) for l in linears], -1)` (same device and dtype)."""
-    if any(type(lin) is not nn.Linear for lin in linears):
-        raise TypeError("only nn.Linear layers can be stacked (fuse projections before quantizing)")
-    first = linears[0]
-    stacked = nn.Linear(first.in_features, sum(lin.out_features for lin in linears), bias=first.bias is not None,
-                        device=first.weight.device, dtype=first.weight.dtype)
-    with torch.no_grad():
-        stacked.weight.copy_(torch.cat([lin.weight for lin in linears], dim=0))
-        if stacked.bias is not None:
-            stacked.bias.copy_(torch.cat([lin.bias for lin in linears]))
-    stacked.requires_grad_(first.weight.requires_grad)
-    return stacked
 
 
 def run_double_block(
@@ -552,7 +538,7 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
             block.fuse_projections()
 
     def quantize_fp8(self, adaln: bool = True) -> dict[str, str]:
-        """Every block linear that takes a token activation becomes an `Fp8Linear` (e4m3 weights, per-row activation
+        """Every block linear that takes a token activation becomes an fp8 `model.linear.Linear` (e4m3 weights, per-row activation
         scales; the bf16 weights are dropped). Not bit-exact. `adaln`: the AdaLN modulation linears (one row per
         image, a quarter of the weights) become weight-only fp8 layers (bf16 activations, half the weight bytes to
         read); else they stay bf16. Returns {layer: why it stayed bf16}; raises ValueError where fp8 cannot run."""
@@ -562,7 +548,7 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         kept: dict[str, str] = {}
         # By name, so that each replaced bf16 layer is freed as soon as its fp8 form is in: the conversion's peak is
         # the model plus one layer, not the bf16 and fp8 models together.
-        for name in [n for n, m in self.named_modules() if "_blocks." in n and isinstance(m, nn.Linear)]:
+        for name in [n for n, m in self.named_modules() if "_blocks." in n and isinstance(m, (nn.Linear, Linear))]:
             parent_name, _, attr = name.rpartition(".")
             is_adaln = parent_name.rpartition(".")[2] in ("norm", "norm1", "norm1_context")
             if is_adaln and not adaln:
@@ -572,7 +558,9 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
             if why is not None:
                 kept[name] = why
             else:
-                setattr(parent, attr, Fp8Linear.from_linears([getattr(parent, attr)], weight_only=is_adaln))
+                layer = getattr(parent, attr)
+                plain = layer if isinstance(layer, Linear) else Linear.from_linears([layer])
+                setattr(parent, attr, plain.quantized(FP8_WEIGHT_ONLY if is_adaln else FP8))
         self._quantize_at_norms()
         return kept
 
@@ -581,7 +569,7 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         activation); a site with a consumer left in bf16 keeps handing out tensors."""
 
         def fp8(*layers: nn.Module | None) -> bool:
-            return all(isinstance(layer, Fp8Linear) for layer in layers)
+            return all(is_fp8(layer) for layer in layers)
 
         for block in self.transformer_blocks:
             a = block.attn
@@ -592,7 +580,7 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         for block in self.single_transformer_blocks:
             a = block.attn
             ups = (block.to_qkv_mlp,) if block.to_qkv_mlp is not None else (a.to_q, a.to_k, a.to_v, block.proj_mlp)
-            set_norm_fp8(block.norm, isinstance(block.proj_out, Fp8Linear) and fp8(*ups))
+            set_norm_fp8(block.norm, is_fp8(block.proj_out) and fp8(*ups))
 
     @apply_lora_scale("joint_attention_kwargs")
     def forward(

@@ -376,11 +376,11 @@ class FluxServePipeline:
                 self.transformer.fuse_qkv_projections()
                 self.form = replace(self.form, fused_projections=True)
             if fp8 and not self.fp8:
-                from kernels.fp8 import Fp8Linear
+                from model.linear import is_fp8
 
                 kept = self.transformer.quantize_fp8(adaln=fp8_adaln)
                 self.form = replace(self.form, fp8=True)
-                self.fp8_layers = sum(isinstance(m, Fp8Linear) for m in self.transformer.modules())
+                self.fp8_layers = sum(is_fp8(m) for m in self.transformer.modules())
             if self._step_graphs is not None:
                 self._step_graphs.reset()  # captured with the old layers
         self.release_memory()  # the replaced bf16 weights

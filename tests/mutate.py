@@ -48,7 +48,7 @@ MODULES: dict[str, list[str]] = {
                         "tests/test_kernels_gpu.py", "tests/test_pipeline_gpu.py"],
     "kernels/gelu.py": ["tests/test_kernels.py", "tests/test_tiers.py", "tests/test_flux.py", "tests/test_kernels_gpu.py",
                         "tests/test_pipeline_gpu.py"],
-    "tp/layers.py": ["tests/test_tp_layers.py"],  # tests/test_tp.py runs the layers in spawned ranks, out of reach
+    "model/linear.py": ["tests/test_linear.py"],  # tests/test_tp.py runs the layers in spawned ranks, out of reach
 }
 
 # Lines no test should pin: log calls (their wording is for people) and type-checking-only imports.

@@ -2,7 +2,7 @@
 `fuse_qkv_projections` / `quantize_fp8`, the pipeline's `convert_for_high`, the pool config and the engine).
 
 CPU: the quantization kernel in Triton's interpreter against its eager twin; the eager twin against the definition;
-Fp8Linear's stacking; the refusals; fused projections == unfused (fp32); the fp8 wiring of a whole model (with the
+the fp8 layer's stacking; the refusals; fused projections == unfused (fp32); the fp8 wiring of a whole model (with the
 fp8 GEMM's CPU twin) within a bound of bf16; a converted pipeline refuses lossless; config errors; the engine keeps
 bf16 where fp8 is refused. GPU (`-m gpu`): Triton quantization == eager, `_scaled_mm` layer against its dequantized
 reference, FLUX.1-dev-width blocks in fp8 within a bound, a converted tiny pipeline (graph replay == eager).
@@ -27,6 +27,7 @@ import model.flux as flux_mod
 from deployments.config import AppArgs
 from kernels.modulate import layer_norm_modulate, norm_fp8
 from model.flux import FluxTransformer
+from model.linear import FP8, FP8_WEIGHT_ONLY, Linear, convertible, is_fp8, linear_cat_gelu
 from model.loading import load_pipeline
 from model.pipeline import GenerationRequest
 from tests._inputs import random_flux
@@ -174,15 +175,15 @@ def test_the_fp8_norm_is_the_quantized_fp32_norm_and_close_to_quantizing_the_rou
     # what the consumer would have quantized without the producer: the bf16 norm's rows
     q16, s16 = fp8.quantize_rows_eager(layer_norm_modulate(x, scale, shift, 1e-6).reshape(14, 64))
     assert _rel(rows.q.float() * rows.scale, q16.float() * s16) < 0.03
-    layer = fp8.Fp8Linear.from_linears([nn.Linear(64, 32, dtype=torch.bfloat16)])
+    layer = Linear.from_linears([nn.Linear(64, 32, dtype=torch.bfloat16)], quant=FP8)
     assert torch.equal(layer(rows), layer.matmul(rows.q, rows.scale).view(2, 7, 32))
 
 
 def test_fp8_linear_stacks_layers_and_matches_its_dequantized_reference_on_cpu() -> None:
     torch.manual_seed(0)
     layers = [nn.Linear(64, n) for n in (32, 32, 48)]
-    stacked = fp8.Fp8Linear.from_linears(layers)
-    singles = [fp8.Fp8Linear.from_linears([lin]) for lin in layers]
+    stacked = Linear.from_linears(layers, quant=FP8)
+    singles = [Linear.from_linears([lin], quant=FP8) for lin in layers]
     assert stacked.weight.dtype == torch.float8_e4m3fn and stacked.out_features == 112
     # per-output-channel scales: stacking quantizes each row exactly as the layer alone does
     assert torch.equal(stacked.weight.float(), torch.cat([s.weight.float() for s in singles]))
@@ -196,23 +197,23 @@ def test_fp8_linear_stacks_layers_and_matches_its_dequantized_reference_on_cpu()
     ref = ((q.float() * s) @ stacked.dequantized_weight().t() + stacked.bias.float()).to(torch.bfloat16)
     assert torch.equal(y.reshape(-1, 112), ref)
     with pytest.raises(ValueError, match="in_features"):
-        fp8.Fp8Linear.from_linears([nn.Linear(64, 16), nn.Linear(32, 16)])
+        Linear.from_linears([nn.Linear(64, 16), nn.Linear(32, 16)], quant=FP8)
 
 
 def test_linear_cat_gelu_on_a_plain_linear_is_the_eager_expression() -> None:
     lin = nn.Linear(48, 8)
     a, b = torch.randn(2, 3, 16), torch.randn(2, 3, 32)
-    assert torch.equal(fp8.linear_cat_gelu(lin, a, b), lin(torch.cat([a, F.gelu(b, approximate="tanh")], -1)))
+    assert torch.equal(linear_cat_gelu(lin, a, b), lin(torch.cat([a, F.gelu(b, approximate="tanh")], -1)))
     down = nn.Linear(32, 8)
-    assert torch.equal(fp8.linear_cat_gelu(down, None, b), down(F.gelu(b, approximate="tanh")))
+    assert torch.equal(linear_cat_gelu(down, None, b), down(F.gelu(b, approximate="tanh")))
 
 
 def test_refusals_say_why() -> None:
     assert "CUDA" in fp8.fp8_refusal(torch.device("cpu"), torch.bfloat16)
     assert "divisible by 16" in fp8.shape_refusal(3072, 3070)
     assert fp8.shape_refusal(3072, 9216) is None
-    assert "not an nn.Linear" in fp8.convertible(nn.Conv1d(4, 4, 1))
-    assert "CUDA" in fp8.convertible(nn.Linear(32, 32))
+    assert "Conv1d is not a linear layer" in convertible(nn.Conv1d(4, 4, 1))
+    assert "CUDA" in convertible(nn.Linear(32, 32))
     with pytest.raises(ValueError, match="CUDA"):
         _model(torch.bfloat16).quantize_fp8()
 
@@ -227,7 +228,7 @@ def gemm_operands(monkeypatch) -> tuple:
     their `use_fast_accum` into."""
     monkeypatch.setattr(fp8, "REFUSED", {})
     torch.manual_seed(0)
-    layer = fp8.Fp8Linear.from_linears([nn.Linear(64, 48, dtype=torch.bfloat16)])
+    layer = Linear.from_linears([nn.Linear(64, 48, dtype=torch.bfloat16)], quant=FP8)
     q, s = fp8.quantize_rows_eager(torch.randn(5, 64).to(torch.bfloat16))
     return (q, layer.weight, s, layer.weight_scale, layer.bias), []
 
@@ -320,8 +321,9 @@ def test_fused_projections_are_idempotent_and_refuse_fp8_layers() -> None:
     fused = m.transformer_blocks[0].attn.to_qkv
     m.fuse_qkv_projections()
     assert m.transformer_blocks[0].attn.to_qkv is fused
-    with pytest.raises(TypeError, match="fuse projections before quantizing"):
-        flux_mod._stack_linears([fp8.Fp8Linear(16, 16), fp8.Fp8Linear(16, 16)])
+    quantized = Linear.from_linears([nn.Linear(16, 16)], quant=FP8)
+    with pytest.raises(ValueError, match="fuse projections before quantizing"):
+        Linear.from_linears([quantized, quantized])
 
 
 @pytest.fixture
@@ -342,10 +344,10 @@ def _fake_quantized_twin(m: FluxTransformer, converted: FluxTransformer) -> Flux
 
     layers = dict(converted.named_modules())
     for name, mod in m.named_modules():
-        if isinstance(layers.get(name), fp8.Fp8Linear):
+        if is_fp8(layers.get(name)):
             with torch.no_grad():
                 mod.weight.copy_(layers[name].dequantized_weight())
-            if not layers[name].weight_only:  # weight-only layers (a few rows) keep their bf16 input
+            if not layers[name].quant.weight_only:  # weight-only layers (a few rows) keep their bf16 input
                 mod.register_forward_pre_hook(fake_quant)
     return m
 
@@ -371,10 +373,10 @@ def test_fp8_conversion_of_a_model_converts_every_token_linear_and_stays_close(f
     assert kept == {}
     assert _rel(got, emulated) < 0.03, _rel(got, emulated)
     linears = {name: mod for name, mod in m.named_modules()
-               if isinstance(mod, (nn.Linear, fp8.Fp8Linear)) and "_blocks." in name}
-    assert all(isinstance(mod, fp8.Fp8Linear) for mod in linears.values())
+               if isinstance(mod, (nn.Linear, Linear)) and "_blocks." in name}
+    assert all(is_fp8(mod) for mod in linears.values())
     # the AdaLN linears (one row per image) are weight-only, every token linear quantizes its activation
-    weight_only = sorted(name for name, mod in linears.items() if mod.weight_only)
+    weight_only = sorted(name for name, mod in linears.items() if mod.quant.weight_only)
     assert len(weight_only) == 2 * len(m.transformer_blocks) + len(m.single_transformer_blocks), weight_only
     assert all(name.rsplit(".", 2)[-2].startswith("norm") for name in weight_only), weight_only
     assert all(ff.gelu_in_down_proj for ff in m.modules() if isinstance(ff, flux_mod.FluxFeedForward))
@@ -408,8 +410,8 @@ def test_a_converted_model_traces_whole_under_torch_compile(fp8_on_cpu) -> None:
         with execution.running(m, block_runners=_compiled_runners(backend="aot_eager", fullgraph=True)):
             compiled = m(**inputs)[0]
         for layer in m.modules():  # eager with the AdaLN rows quantized too: the compiled form's arithmetic
-            if isinstance(layer, fp8.Fp8Linear):
-                layer.weight_only = False
+            if is_fp8(layer):
+                layer.quant = FP8
         quantized_adaln = m(**inputs)[0]
     assert torch.equal(compiled, quantized_adaln)  # aot_eager runs the same aten ops as the eager twins
     assert _rel(compiled, eager) < 0.05, _rel(compiled, eager)
@@ -420,13 +422,13 @@ def test_fp8_conversion_can_keep_the_adaln_linears_in_bf16(fp8_on_cpu) -> None:
     m.quantize_fp8(adaln=False)
     plain = sorted(name for name, mod in m.named_modules() if type(mod) is nn.Linear and "_blocks." in name)
     assert plain and all(name.rsplit(".", 2)[-2].startswith("norm") for name in plain), plain
-    assert not any(mod.weight_only for mod in m.modules() if isinstance(mod, fp8.Fp8Linear))
+    assert not any(mod.quant.weight_only for mod in m.modules() if is_fp8(mod))
 
 
 def test_weight_only_layers_keep_a_few_rows_in_bf16_and_quantize_more() -> None:
     torch.manual_seed(0)
     lin = nn.Linear(64, 48).bfloat16()
-    layer = fp8.Fp8Linear.from_linears([lin], weight_only=True)
+    layer = Linear.from_linears([lin], quant=FP8_WEIGHT_ONLY)
     w = layer.dequantized_weight()
     for rows in (1, 2, fp8.WEIGHT_ONLY_ROWS):
         x = torch.randn(rows, 64).bfloat16()
@@ -441,7 +443,7 @@ def test_weight_only_layers_keep_a_few_rows_in_bf16_and_quantize_more() -> None:
     assert torch.equal(layer(x), layer.matmul(q, s))  # more rows: the quantized GEMM
     with pytest.raises(ValueError, match="at most"):
         fp8.weight_only_linear(x, layer.weight, layer.weight_scale, layer.bias)
-    assert "weight_only=True" in repr(layer)
+    assert repr(layer).endswith("fp8 weight-only)")
 
 
 def test_weight_only_kernel_in_the_interpreter_equals_its_eager_twin() -> None:
@@ -471,7 +473,7 @@ def test_fp8_layers_where_a_shape_is_refused_stay_bf16_and_are_reported(fp8_on_c
     m = _model(torch.bfloat16, num_attention_heads=3, attention_head_dim=24, axes_dims_rope=(8, 8, 8))  # width 72
     kept = m.quantize_fp8()
     assert kept and all("divisible by 16" in why for why in kept.values())
-    assert not any(isinstance(mod, fp8.Fp8Linear) for mod in m.modules())
+    assert not any(is_fp8(mod) for mod in m.modules())
     assert not any(ff.gelu_in_down_proj for ff in m.modules() if isinstance(ff, flux_mod.FluxFeedForward))
     with kernels.switches.override(fp8_norm_producer=True):  # their consumers are bf16: the norms hand out tensors
         assert not any(norm_fp8(mod) for mod in m.modules())
@@ -597,7 +599,7 @@ def test_gpu_quantization_kernel_against_eager(gelu: bool) -> None:
 def test_gpu_fp8_linear_against_its_dequantized_reference_and_bf16() -> None:
     torch.manual_seed(0)
     lin = nn.Linear(3072, 9216, device="cuda", dtype=torch.bfloat16)
-    layer = fp8.Fp8Linear.from_linears([lin])
+    layer = Linear.from_linears([lin], quant=FP8)
     x = torch.randn(2, 2048, 3072, device="cuda", dtype=torch.bfloat16)
     y = layer(x)
     q, s = fp8.quantize_rows(x)
@@ -605,9 +607,9 @@ def test_gpu_fp8_linear_against_its_dequantized_reference_and_bf16() -> None:
     assert _rel(y.reshape(-1, 9216), ref) < 5e-3
     assert _rel(y, lin(x)) < 0.06
     # the GELU-in-quantization path
-    down = fp8.Fp8Linear.from_linears([nn.Linear(9216, 3072, device="cuda", dtype=torch.bfloat16)])
+    down = Linear.from_linears([nn.Linear(9216, 3072, device="cuda", dtype=torch.bfloat16)], quant=FP8)
     h = lin(x)
-    got = fp8.linear_cat_gelu(down, None, h)
+    got = linear_cat_gelu(down, None, h)
     assert _rel(got, down(F.gelu(h, approximate="tanh"))) < 0.02
 
 
@@ -618,7 +620,7 @@ def test_gpu_fp8_gemm_accumulation_at_the_longest_flux_reduction(fast_accum: boo
     """The single block's proj_out (K = 15360, the longest sum): with or without the tensor cores' fast
     accumulation, the GEMM stays within 5e-3 of the fp32 product of the same fp8 operands."""
     torch.manual_seed(0)
-    layer = fp8.Fp8Linear.from_linears([nn.Linear(15360, 3072, device="cuda", dtype=torch.bfloat16)])
+    layer = Linear.from_linears([nn.Linear(15360, 3072, device="cuda", dtype=torch.bfloat16)], quant=FP8)
     x = torch.randn(4608, 15360, device="cuda", dtype=torch.bfloat16)
     q, s = fp8.quantize_rows(x)
     ref = (q.float() * s) @ layer.dequantized_weight().t() + layer.bias.float()
@@ -641,7 +643,7 @@ def test_gpu_fp8_gemm_takes_the_few_rows_of_the_smallest_images(monkeypatch, K: 
     if forced:
         monkeypatch.setattr(fp8, "FAST_ACCUM_MIN_ROWS", 0)
     torch.manual_seed(0)
-    layer = fp8.Fp8Linear.from_linears([nn.Linear(K, 3072, device="cuda", dtype=torch.bfloat16)])
+    layer = Linear.from_linears([nn.Linear(K, 3072, device="cuda", dtype=torch.bfloat16)], quant=FP8)
     q, s = fp8.quantize_rows(torch.randn(rows, K, device="cuda", dtype=torch.bfloat16))
     ref = (q.float() * s) @ layer.dequantized_weight().t() + layer.bias.float()
     with kernels.switches.override(fp8_fast_accum=True):
@@ -684,13 +686,13 @@ def test_fp8_refusal_reasons_in_order(monkeypatch, cuda: bool, capability, dtype
 
 
 def test_convertible_names_what_stops_a_layer(monkeypatch) -> None:
-    assert fp8.convertible(fp8.Fp8Linear(16, 16)) == "Fp8Linear is not an nn.Linear"
-    assert fp8.convertible(nn.Linear(32, 16)) == "fp8 GEMMs need a CUDA device (model is on cpu)"
+    assert convertible(Linear.from_linears([nn.Linear(16, 16)], quant=FP8)) == "already fp8"
+    assert convertible(nn.Linear(32, 16)) == "fp8 GEMMs need a CUDA device (model is on cpu)"
     seen = []
     monkeypatch.setattr(fp8, "fp8_refusal", lambda device, dtype: seen.append((device.type, dtype)))
-    assert fp8.convertible(nn.Linear(32, 16, dtype=torch.bfloat16)) is None and seen == [("cpu", torch.bfloat16)]
-    assert fp8.convertible(nn.Linear(30, 16)) == "fp8 GEMM needs in/out features divisible by 16, got 30 -> 16"
-    assert fp8.convertible(nn.Linear(32, 24)) == "fp8 GEMM needs in/out features divisible by 16, got 32 -> 24"
+    assert convertible(nn.Linear(32, 16, dtype=torch.bfloat16)) is None and seen == [("cpu", torch.bfloat16)]
+    assert convertible(nn.Linear(30, 16)) == "fp8 GEMM needs in/out features divisible by 16, got 30 -> 16"
+    assert convertible(nn.Linear(32, 24)) == "fp8 GEMM needs in/out features divisible by 16, got 32 -> 24"
 
 
 def test_scaled_mm_hands_torch_the_layers_operands(monkeypatch) -> None:
@@ -707,7 +709,7 @@ def test_scaled_mm_hands_torch_the_layers_operands(monkeypatch) -> None:
     monkeypatch.setattr(torch, "_scaled_mm", documented)
     monkeypatch.setattr(fp8, "REFUSED", {})
     torch.manual_seed(0)
-    layer = fp8.Fp8Linear.from_linears([nn.Linear(32, 48)])
+    layer = Linear.from_linears([nn.Linear(32, 48)], quant=FP8)
     q, s = fp8.quantize_rows(torch.randn(5, 32))
     for fast in (True, False):
         got = fp8.scaled_mm(q, layer.weight, s, layer.weight_scale, layer.bias, fast)
@@ -720,22 +722,21 @@ def test_fp8_layer_form_bias_free_layers_and_repr() -> None:
     """The layer's parameters are what the GEMM needs (fp8 weight, fp32 channel scales [1, N], a bf16 bias, none
     trainable); a layer stacked from bias-free linears has no bias; stacking refusals say why."""
     torch.manual_seed(0)
-    layer = fp8.Fp8Linear.from_linears([nn.Linear(32, 16), nn.Linear(32, 16)])
+    layer = Linear.from_linears([nn.Linear(32, 16), nn.Linear(32, 16)], quant=FP8)
     assert (layer.weight.dtype, layer.weight_scale.dtype, layer.bias.dtype) == (fp8.FP8, torch.float32, torch.bfloat16)
     assert layer.weight_scale.shape == (1, 32) and not any(p.requires_grad for p in layer.parameters())
-    assert repr(layer) == "Fp8Linear(in_features=32, out_features=32, bias=True)"
-    assert repr(fp8.Fp8Linear(16, 48)) == "Fp8Linear(in_features=16, out_features=48, bias=True)"  # the defaults
+    assert repr(layer) == "Linear(in_features=32, out_features=32, bias=True, fp8)"
     plain = [nn.Linear(32, 16, bias=False)]
-    free = fp8.Fp8Linear.from_linears(plain, weight_only=True)
+    free = Linear.from_linears(plain, quant=FP8_WEIGHT_ONLY)
     assert free.bias is None
-    assert repr(free) == "Fp8Linear(in_features=32, out_features=16, bias=False, weight_only=True)"
+    assert repr(free) == "Linear(in_features=32, out_features=16, bias=False, fp8 weight-only)"
     x = torch.randn(3, 32)
     assert torch.equal(free(x), fp8.weight_only_linear_eager(x, free.weight, free.weight_scale, None))
     with pytest.raises(ValueError) as exc:
-        fp8.Fp8Linear.from_linears([nn.Linear(32, 16), nn.Linear(16, 16)])
+        Linear.from_linears([nn.Linear(32, 16), nn.Linear(16, 16)], quant=FP8)
     assert str(exc.value) == "stacked linears must share in_features"
     with pytest.raises(ValueError) as exc:
-        fp8.Fp8Linear.from_linears([nn.Linear(32, 16), nn.Linear(32, 16, bias=False)])
+        Linear.from_linears([nn.Linear(32, 16), nn.Linear(32, 16, bias=False)], quant=FP8)
     assert str(exc.value) == "stacked linears must all have a bias or none"
 
 
@@ -750,7 +751,7 @@ def test_quantization_entry_points_default_to_no_gelu_and_check_shapes() -> None
     with pytest.raises(ValueError) as exc:
         fp8.quantize_rows(torch.randn(2, 3, 16), torch.randn(4, 16))
     assert str(exc.value) == "quantize_rows: (2, 3, 16) and (4, 16) have different leading shapes"
-    w = fp8.Fp8Linear.from_linears([nn.Linear(32, 16)], weight_only=True)
+    w = Linear.from_linears([nn.Linear(32, 16)], quant=FP8_WEIGHT_ONLY)
     with pytest.raises(ValueError) as exc:
         fp8.weight_only_linear(torch.randn(17, 32), w.weight, w.weight_scale, w.bias)
     assert str(exc.value) == "weight_only_linear: 17 rows, at most 16"
@@ -759,7 +760,7 @@ def test_quantization_entry_points_default_to_no_gelu_and_check_shapes() -> None
 def test_a_weight_only_layer_keeps_the_leading_shape() -> None:
     """A batch of one-row inputs [B, 1, K] (the AdaLN modulation's) comes back [B, 1, N], equal to its twin."""
     torch.manual_seed(0)
-    layer = fp8.Fp8Linear.from_linears([nn.Linear(32, 48)], weight_only=True)
+    layer = Linear.from_linears([nn.Linear(32, 48)], quant=FP8_WEIGHT_ONLY)
     x = torch.randn(3, 1, 32)
     y = layer(x)
     assert y.shape == (3, 1, 48)
@@ -783,7 +784,7 @@ def test_gpu_scaled_mm_gets_fast_accumulation_by_row_count(monkeypatch) -> None:
 
     monkeypatch.setattr(torch, "_scaled_mm", spy)
     torch.manual_seed(0)
-    layer = fp8.Fp8Linear.from_linears([nn.Linear(3072, 1024, device="cuda", dtype=torch.bfloat16)])
+    layer = Linear.from_linears([nn.Linear(3072, 1024, device="cuda", dtype=torch.bfloat16)], quant=FP8)
     for switch in (True, False):
         with kernels.switches.override(fp8_fast_accum=switch):
             for rows in (16, 63, 64, 256):
@@ -798,8 +799,8 @@ def test_gpu_scaled_mm_gets_fast_accumulation_by_row_count(monkeypatch) -> None:
 def test_gpu_weight_only_layer_against_its_eager_twin(rows: int) -> None:
     """The AdaLN modulation's shape (3072 -> 18432), bf16 rows against the fp8 weight."""
     torch.manual_seed(0)
-    layer = fp8.Fp8Linear.from_linears([nn.Linear(3072, 18432, device="cuda", dtype=torch.bfloat16)],
-                                       weight_only=True)
+    layer = Linear.from_linears([nn.Linear(3072, 18432, device="cuda", dtype=torch.bfloat16)],
+                                quant=FP8_WEIGHT_ONLY)
     x = torch.randn(rows, 3072, device="cuda", dtype=torch.bfloat16)
     y = layer(x)
     ref = fp8.weight_only_linear_eager(x, layer.weight, layer.weight_scale, layer.bias)
@@ -876,7 +877,7 @@ def test_gpu_pipeline_holds_its_fp8_form_and_graph_replay_equals_eager(tiny_path
     try:
         eager = pipe.generate([_req(), _req(seed=4)], cuda_graphs=False)
         graphed = pipe.generate([_req(), _req(seed=4)], cuda_graphs=True)
-        n_fp8 = sum(isinstance(m, fp8.Fp8Linear) for m in pipe.transformer.modules())
+        n_fp8 = sum(is_fp8(m) for m in pipe.transformer.modules())
         assert graphed[0].ran.graphed and not eager[0].ran.graphed and n_fp8 > 0
         assert graphed[0].ran.fp8_layers == eager[0].ran.fp8_layers == n_fp8 and graphed[0].ran.fused_projections
         assert sg.replays == 2 and sg.eager_fallbacks == 0, sg.stats()
@@ -885,7 +886,7 @@ def test_gpu_pipeline_holds_its_fp8_form_and_graph_replay_equals_eager(tiny_path
     finally:
         pipe.disable_cuda_graphs()
     assert _rel(eager[0].latents, lossless.latents) < 0.2  # random tiny weights: wiring, not quality
-    assert isinstance(pipe.transformer.single_transformer_blocks[0].to_qkv_mlp, fp8.Fp8Linear)  # still held
+    assert is_fp8(pipe.transformer.single_transformer_blocks[0].to_qkv_mlp)  # still held
     with pytest.raises(ValueError, match="cannot serve 'lossless'"):
         pipe.generate([_req("lossless")])
 

@@ -270,8 +270,10 @@ def _linear(dtype=torch.bfloat16, bias=True, cls=nn.Linear, **attrs):
     return layer
 
 
-class _ColumnParallel(nn.Linear):
-    fused_gelu_compatible = True
+def _column(gather_output: bool, world: int, quant=None) -> nn.Module:
+    from model.linear import BF16, Column, Linear
+
+    return Linear.from_linears([_linear()], quant=quant or BF16, parallel=Column(0, world, gather_output=gather_output))
 
 
 class _QuantLinear(nn.Linear):  # a foreign nn.Linear subclass that does not opt in
@@ -289,7 +291,7 @@ def fake_cuda_gelu(monkeypatch):
     "make,reason",
     [
         (lambda: _linear(bias=False), "no bias"),
-        (lambda: _linear(cls=_ColumnParallel, gather_output=True, tp_size=2), "gathers its output"),
+        (lambda: _column(gather_output=True, world=2), "does not compute F.linear(x, weight, bias) locally"),
         (lambda: _linear(dtype=torch.float32), "torch.float32 is not fp16/bf16"),
         (lambda: _linear(cls=_QuantLinear), "unsupported layer type"),
         (lambda: nn.Conv1d(8, 12, 1).to(torch.bfloat16), "unsupported layer type"),
@@ -304,8 +306,8 @@ def test_gelu_static_accepts(fake_cuda_gelu):
     assert kernels.can_fuse_linear_gelu(_linear()) == (True, "ok")
     assert kernels.can_fuse_linear_gelu(_linear(torch.float16)) == (True, "ok")
     # column-parallel without a gather (TP FF up-projection) and a gathered layer at tp_size 1 are fine
-    assert kernels.can_fuse_linear_gelu(_linear(cls=_ColumnParallel, gather_output=False, tp_size=2))[0]
-    assert kernels.can_fuse_linear_gelu(_linear(cls=_ColumnParallel, gather_output=True, tp_size=1))[0]
+    assert kernels.can_fuse_linear_gelu(_column(gather_output=False, world=2))[0]
+    assert kernels.can_fuse_linear_gelu(_column(gather_output=True, world=1))[0]
 
 
 def test_gelu_refuses_cpu_without_patching():

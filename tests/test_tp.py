@@ -86,8 +86,8 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
 
     import kernels.gelu as kgelu
     from model.loading import diffusers_reference, load_transformer
-    from tp import layers as tp_layers
-    from tp.layers import ColumnParallelLinear, RowParallelLinear
+    from model import linear as tp_layers
+    from model.linear import Column, Linear, Row
     from tp.shard import gather_full_state_dict, mount_all_ranks, shard_flux_transformer
     from tp.worker import TPWorker
 
@@ -175,11 +175,11 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
     shard_flux_transformer(eager, rank, WORLD, group)
     res["layer_types"] = {
         "ff_up": type(full.transformer_blocks[0].ff.net[0]).__name__,
-        "ff_up_proj": type(full.transformer_blocks[0].ff.net[0].proj).__name__,
-        "ff_up_gather": full.transformer_blocks[0].ff.net[0].proj.gather_output,
-        "ff_down": type(full.transformer_blocks[0].ff.net[2]).__name__,
-        "proj_mlp": type(full.single_transformer_blocks[0].proj_mlp).__name__,
-        "proj_out": type(full.single_transformer_blocks[0].proj_out).__name__,
+        "ff_up_proj": type(full.transformer_blocks[0].ff.net[0].proj.parallel).__name__,
+        "ff_up_gather": full.transformer_blocks[0].ff.net[0].proj.parallel.gather_output,
+        "ff_down": type(full.transformer_blocks[0].ff.net[2].parallel).__name__,
+        "proj_mlp": type(full.single_transformer_blocks[0].proj_mlp.parallel).__name__,
+        "proj_out": type(full.single_transformer_blocks[0].proj_out.parallel).__name__,
         "norm1": type(full.transformer_blocks[0].norm1.linear).__name__,
         "heads": full.transformer_blocks[0].attn.heads,
         "single_heads": full.single_transformer_blocks[0].attn.heads,
@@ -210,16 +210,14 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
         lin.weight.copy_(torch.randn(40, 48, generator=g))
         lin.bias.copy_(torch.randn(40, generator=g))
     x = torch.randn(3, 48, generator=g)
-    col = ColumnParallelLinear.from_linear(lin, rank, WORLD, group, gather_output=True)
-    row = RowParallelLinear.from_linear(lin, rank, WORLD, group, input_blocks=[16, 32])
+    col = Linear.from_linears([lin], parallel=Column(rank, WORLD, group, gather_output=True))
+    row = Linear.from_linears([lin], parallel=Row(rank, WORLD, group, blocks=(16, 32)))
     x_local = torch.cat([x[:, rank * 8 : rank * 8 + 8], x[:, 16 + rank * 16 : 16 + rank * 16 + 16]], dim=1)
     with torch.no_grad():
         res["col_gathered"], res["row_out"], res["lin_out"] = col(x), row(x_local), lin(x)
-    # The plain constructor builds the same layer once given the shard's state dict.
-    col2 = ColumnParallelLinear(48, 40, tp_rank=rank, tp_size=WORLD, group=group, gather_output=True)
-    row2 = RowParallelLinear(48, 40, tp_rank=rank, tp_size=WORLD, group=group, input_blocks=[16, 32])
-    col2.load_state_dict(col.state_dict())
-    row2.load_state_dict(row.state_dict())
+    # The constructor builds the same layer from the shard's tensors (what loading a sharded checkpoint would give).
+    col2 = Linear(48, 40, dict(col.state_dict()), parallel=col.parallel)
+    row2 = Linear(48, 40, dict(row.state_dict()), parallel=row.parallel)
     with torch.no_grad():
         res["constructed_equal"] = torch.equal(col2(x), res["col_gathered"]) and torch.equal(
             row2(x_local), res["row_out"]
@@ -234,7 +232,7 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
         big.weight.copy_(torch.randn(64, 512, generator=g) / 512**0.5)
         big.bias.copy_(torch.randn(64, generator=g))
     xb = torch.randn(16, 512, generator=g)
-    big_row = RowParallelLinear.from_linear(big, rank, WORLD, group)
+    big_row = Linear.from_linears([big], parallel=Row(rank, WORLD, group))
     with torch.no_grad():
         halves = [(xb[:, :256], big.weight[:, :256]), (xb[:, 256:], big.weight[:, 256:])]
         res["row_bias_inside"] = (torch.nn.functional.linear(*halves[0], big.bias)
@@ -243,8 +241,7 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
                                  + big.bias)
         res["row_big"] = big_row(xb[:, rank * 256 : (rank + 1) * 256])
     res["guard_gathered"] = kgelu.can_fuse_linear_gelu(col)
-    col.gather_output = False
-    res["guard_local"] = kgelu.can_fuse_linear_gelu(col)
+    res["guard_local"] = kgelu.can_fuse_linear_gelu(Linear.from_linears([lin], parallel=Column(rank, WORLD, group)))
 
     # Hung rank: rank 1 stays alive but skips a collective on a group with a 2 s timeout; rank 0 must raise.
     import torch.distributed as dist
@@ -352,11 +349,11 @@ def test_layer_layout(tp_run: dict) -> None:
     types = tp_run[0]["layer_types"]
     assert types == {
         "ff_up": "FluxGELU",
-        "ff_up_proj": "ColumnParallelLinear",
+        "ff_up_proj": "Column",
         "ff_up_gather": False,
-        "ff_down": "RowParallelLinear",
-        "proj_mlp": "ColumnParallelLinear",
-        "proj_out": "RowParallelLinear",
+        "ff_down": "Row",
+        "proj_mlp": "Column",
+        "proj_out": "Row",
         "norm1": "Linear",  # AdaLN stays replicated
         "heads": 2,
         "single_heads": 2,
@@ -395,7 +392,7 @@ def test_tp2_as_accurate_as_tp1_against_float64(tp_run: dict) -> None:
 
 
 def test_row_parallel_bias_order_is_pinned(tp_run: dict) -> None:
-    """tp/layers.py: the bias is added once, inside rank 0's GEMM, before the all-reduce (`python
+    """model/linear.py: the bias is added once, inside rank 0's GEMM, before the all-reduce (`python
     bench/tp_bias_order.py` measured this order closer to TP=1). Bit for bit against the hand-written order."""
     import torch
 

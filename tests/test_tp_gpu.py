@@ -31,7 +31,7 @@ def _rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None:
         import kernels
         from model.loading import load_transformer
         from test_tp import _forward
-        from tp import layers as tp_layers
+        from model import linear as tp_layers
         from tp.shard import mount_all_ranks, shard_flux_transformer
         from tp.worker import TPWorker
 

@@ -1,16 +1,12 @@
-"""Tensor parallelism for FLUX: process-group setup, column/row-parallel linears, in-place sharding of a loaded
-transformer, cross-rank all-or-nothing GELU mounting, and the per-rank worker (`tp.worker.TPWorker`)."""
+"""Tensor parallelism for FLUX: process-group setup, in-place sharding of a loaded transformer into column/row-parallel
+`model.linear.Linear` layers, cross-rank all-or-nothing GELU mounting, and the per-rank worker (`tp.worker.TPWorker`)."""
 
 from .dist import default_backend, find_free_port, init_tp, shutdown_tp
-from .layers import ColumnParallelLinear, RowParallelLinear, all_reduce_sum
 from .shard import TPInfo, check_replicas_identical, gather_full_state_dict, mount_all_ranks, shard_flux_transformer, tp_info
 
 __all__ = [
-    "ColumnParallelLinear",
-    "RowParallelLinear",
     "TPInfo",
     "TPWorker",
-    "all_reduce_sum",
     "check_replicas_identical",
     "default_backend",
     "find_free_port",

@@ -29,7 +29,7 @@ from torch import nn
 
 from model.flux import FluxGELU
 
-from .layers import ColumnParallelLinear, RowParallelLinear
+from model.linear import Column, Linear, Row
 
 TP_ATTR = "_fluxserve_tp"
 
@@ -46,12 +46,20 @@ def tp_info(model: nn.Module) -> TPInfo | None:
     return model.__dict__.get(TP_ATTR)
 
 
-def _column(linear: nn.Linear, info: TPInfo) -> ColumnParallelLinear:
-    return ColumnParallelLinear.from_linear(linear, info.rank, info.world_size, info.group, gather_output=False)
+def _shard(layer: nn.Module, parallel: Column | Row) -> Linear:
+    """This rank's share of a plain or already converted linear layer (weights and scales alike)."""
+    if isinstance(layer, Linear):
+        return layer.sharded(parallel)
+    return Linear.from_linears([layer], parallel=parallel)
 
 
-def _row(linear: nn.Linear, info: TPInfo, input_blocks: list[int] | None = None) -> RowParallelLinear:
-    return RowParallelLinear.from_linear(linear, info.rank, info.world_size, info.group, input_blocks=input_blocks)
+def _column(linear: nn.Module, info: TPInfo) -> Linear:
+    return _shard(linear, Column(info.rank, info.world_size, info.group))
+
+
+def _row(linear: nn.Module, info: TPInfo, input_blocks: list[int] | None = None) -> Linear:
+    blocks = None if input_blocks is None else tuple(input_blocks)
+    return _shard(linear, Row(info.rank, info.world_size, info.group, blocks=blocks))
 
 
 def _shard_attention(attn: nn.Module, info: TPInfo) -> None:
@@ -120,7 +128,7 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for name, module in model.named_modules():  # same order on every rank
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(module, Linear) and module.parallel.world > 1:
             w, b = module.full_weight()
             state[f"{name}.weight"] = w
             if b is not None:
