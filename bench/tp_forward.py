@@ -81,7 +81,7 @@ def _time(fn, device: torch.device, warmup: int, reps: int) -> list[float]:
 def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     from model import linear as tp_layers
     from tp.dist import init_tp
-    from tp.shard import check_replicas_identical, shard_flux_transformer
+    from tp.shard import check_replicas_identical, shard_transformer
 
     device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
     if device.type == "cuda":
@@ -102,7 +102,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
             res["tp1_ms"] = _time(lambda: model(**inputs), device, args.warmup, args.reps)
             ref = model(**inputs)[0].float().cpu()
         dist.barrier(group)
-        shard_flux_transformer(model, rank, args.world_size, group)
+        shard_transformer(model, rank, args.world_size, group)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         calls = []

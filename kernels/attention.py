@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import switches
+from . import sites, switches
 from .fp8 import FP8, FP8_MAX, MIN_AMAX, to_fp8
 
 logger = logging.getLogger(__name__)
@@ -27,6 +27,29 @@ logger = logging.getLogger(__name__)
 VBLOCK = 128  # tokens per k scale: the Triton kernels' block, and the eager twin's
 _HEAD_DIMS = (32, 64, 128)
 _refusals_logged: set[str] = set()
+
+# The site group of the feature table's `attention8` (kernels/sites.py): an attention module marks it and passes
+# `attention8(self)` as `fp8=` to `attention`.
+GROUP = "attention8"
+
+
+def mark_attention8_site(module: nn.Module) -> None:
+    sites.mark(module, GROUP)
+
+
+def attention8(module: nn.Module) -> bool:
+    return sites.on(module, GROUP)
+
+
+def set_attention8(model: nn.Module, on: bool) -> int:
+    """Switch every attention site of `model` to 8-bit attention (`on`, high tier, not bit-exact; refused per call
+    where it cannot run) or back to SDPA; returns how many are on."""
+    return sites.switch(model, {GROUP: on}).count(GROUP)
+
+
+def attention8_sites(model: nn.Module) -> int:
+    """How many attention sites of `model` run 8-bit attention."""
+    return sites.count(model, GROUP)
 
 
 def _warn_refusal_once(reason: str, template: str) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import sites
 from .exact import ExactGate, Signature, tensor_signature
 
 logger = logging.getLogger(__name__)
@@ -23,9 +24,6 @@ logger = logging.getLogger(__name__)
 _HALF = (torch.float16, torch.bfloat16)
 # Per-module dict {attr: mounted?}; a plain instance attribute (not a buffer/parameter) so it is copied by
 # deepcopy, untouched by .to(), and invisible to state_dict.
-_SITES_ATTR = "_fluxserve_gelu_sites"
-
-
 def _device_supported(device: torch.device) -> bool:
     # The fused call is CUDA-only: on CPU `torch._addmm_activation(use_gelu=True)` is the erf GELU, not tanh.
     return device.type == "cuda"
@@ -220,20 +218,18 @@ def can_fuse_linear_gelu(layer: nn.Module, x: torch.Tensor | None = None) -> tup
     return True, "ok"
 
 
+# The site group of the feature table's `gelu_sites` (kernels/sites.py): kind "gelu_sites:<attr>".
+GROUP = "gelu_sites"
+
+
 def mark_fused_gelu_site(module: nn.Module, attr: str) -> None:
     """Declare that `F.gelu(getattr(module, attr)(x), approximate="tanh")` is a fusable site (unmounted)."""
-    sites = module.__dict__.get(_SITES_ATTR)
-    if sites is None:
-        sites = {}
-        object.__setattr__(module, _SITES_ATTR, sites)
-    sites.setdefault(attr, False)
+    sites.mark(module, f"{GROUP}:{attr}")
 
 
 def unmark_fused_gelu_site(module: nn.Module, attr: str) -> None:
     """The site is gone (e.g. its layer was merged into a wider one): mount no longer looks for it."""
-    sites = module.__dict__.get(_SITES_ATTR)
-    if sites is not None:
-        sites.pop(attr, None)
+    sites.unmark(module, f"{GROUP}:{attr}")
 
 
 def gelu_site(module: nn.Module, attr: str, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -245,8 +241,7 @@ def gelu_site(module: nn.Module, attr: str, x: torch.Tensor, out: torch.Tensor |
     this path too: the fused epilogue writes contiguous rows, and copying them into the slice costs as much as the
     GELU pass it saves (bench/results/lossless-ops-h200.md), so the exact path is the faster one there."""
     layer = getattr(module, attr)
-    sites = module.__dict__.get(_SITES_ATTR)
-    if out is None and sites is not None and sites.get(attr, False):
+    if out is None and sites.on(module, f"{GROUP}:{attr}"):
         ok, _ = can_fuse_linear_gelu(layer, x)
         if ok:
             return fused_linear_gelu_tanh(x, layer.weight, layer.bias)
@@ -305,41 +300,33 @@ class MountReport:
         return not self.refused
 
 
-def _iter_sites(model: nn.Module):
-    for prefix, module in model.named_modules():
-        sites = module.__dict__.get(_SITES_ATTR)
-        if sites:
-            for attr in sites:
-                yield (f"{prefix}.{attr}" if prefix else attr), module, sites, attr
+def site_check(module: nn.Module, kind: str) -> tuple[bool, str]:
+    """(ok, reason): may the GELU site `kind` of `module` mount (the static guard on its layer)?"""
+    attr = kind.partition(":")[2]
+    layer = getattr(module, attr, None)
+    if not isinstance(layer, nn.Module):
+        return False, f"attribute {attr!r} is not a module"
+    return can_fuse_linear_gelu(layer)
 
 
 def mount(model: nn.Module) -> MountReport:
     """Mount every marked site in `model`, or none if any refuses (the report says which and why)."""
-    report = MountReport()
-    candidates = []
-    for name, module, sites, attr in _iter_sites(model):
-        layer = getattr(module, attr, None)
-        ok, reason = (False, f"attribute {attr!r} is not a module") if not isinstance(layer, nn.Module) else (
-            can_fuse_linear_gelu(layer)
-        )
-        if ok:
-            candidates.append((name, sites, attr))
-        else:
-            report.refused[name] = reason
+    done = sites.switch(model, {GROUP: True}, {GROUP: site_check})
+    report = MountReport(mounted=done.on.get(GROUP, []), refused=done.refused.get(GROUP, {}))
     if report.refused:
-        unmount(model)  # "none mounted" also holds for sites an earlier mount switched on
         logger.info("GELU mount refused (nothing mounted): %s", report.refused)
-        return report
-    for name, sites, attr in candidates:
-        sites[attr] = True
-        report.mounted.append(name)
     return report
 
 
 def unmount(model: nn.Module) -> None:
-    for _, _, sites, attr in _iter_sites(model):
-        sites[attr] = False
+    sites.switch(model, {GROUP: False})
+
+
+def site_names(model: nn.Module) -> list[str]:
+    """Every GELU site of `model`, mounted or not."""
+    return [name for name, _, kind in sites.iter_sites(model) if sites.group_of(kind) == GROUP]
 
 
 def mounted_sites(model: nn.Module) -> list[str]:
-    return [name for name, _, sites, attr in _iter_sites(model) if sites[attr]]
+    return [name for name, module, kind in sites.iter_sites(model)
+            if sites.group_of(kind) == GROUP and sites.on(module, kind)]

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import sites
 from .exact import ExactGate, Signature, tensor_signature
 
 if TYPE_CHECKING:
@@ -30,10 +31,9 @@ LN_GATE = ExactGate("layer_norm_modulate")  # on: aten's LayerNorm statistics re
 # than aten's LayerNorm followed by our modulate kernel at the FLUX shapes (bench/results/lossless-ops-h200.md)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _HALF = (torch.float16, torch.bfloat16)
-# Per-module flag: does this norm site run the fast (not bit-exact) LayerNorm+modulate kernel? A plain instance
-# attribute, like the GELU sites: copied by deepcopy, untouched by .to(), invisible to state_dict.
-_FAST_NORM_ATTR = "_fluxserve_fast_norm"
-_FP8_NORM_ATTR = "_fluxserve_norm_fp8"  # likewise: does this site hand its consumers fp8 rows (kernels.fp8)?
+# Per-module flag of the converted form: does this norm site hand its consumers fp8 rows (kernels.fp8)? A plain
+# instance attribute, like the sites: copied by deepcopy, untouched by .to(), invisible to state_dict.
+_FP8_NORM_ATTR = "_fluxserve_norm_fp8"
 
 
 def modulate_eager(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -128,49 +128,43 @@ def layer_norm_modulate(
                        lambda: layer_norm_modulate_eager(x, scale, shift, eps))
 
 
+# The site group of the feature table's `fast_norm` (kernels/sites.py).
+GROUP = "fast_norm"
+
+
 def mark_norm_site(module: nn.Module) -> None:
     """Declare `module` a norm site: it computes LayerNorm + modulate through `layer_norm_modulate(...,
     fast=fast_norm(module))` (or, an attention module, QK RMSNorm + RoPE through `kernels.rope.rms_rope_cat`)."""
-    setattr(module, _FAST_NORM_ATTR, False)
-
-
-def _flag(module: nn.Module, attr: str) -> bool:
-    # The instance dict, not getattr: on a module without the flag, getattr goes through nn.Module.__getattr__ and
-    # an AttributeError, which made the per-batch walks over every module (set_fast_norm, ...) cost milliseconds.
-    return bool(module.__dict__.get(attr, False))
+    sites.mark(module, GROUP)
 
 
 def fast_norm(module: nn.Module) -> bool:
-    return _flag(module, _FAST_NORM_ATTR)
+    return sites.on(module, GROUP)
 
 
 def set_fast_norm(model: nn.Module, on: bool) -> int:
     """Switch every marked norm site of `model` to the fast kernel (on) or back to lossless; returns the number of
-    sites switched. Sites whose inputs the fast kernel does not support still run lossless."""
-    n = 0
-    for module in model.modules():
-        if _FAST_NORM_ATTR in module.__dict__:
-            module.__dict__[_FAST_NORM_ATTR] = bool(on)
-            n += 1
-    return n
+    sites switched on. Sites whose inputs the fast kernel does not support still run lossless."""
+    return sites.switch(model, {GROUP: on}).count(GROUP)
 
 
 def fast_norm_sites(model: nn.Module) -> int:
     """How many norm sites of `model` are switched to the fast kernel."""
-    return sum(1 for m in model.modules() if _flag(m, _FAST_NORM_ATTR))
+    return sites.count(model, GROUP)
 
 
 def set_norm_fp8(module: nn.Module, on: bool) -> None:
     """Make the norm site `module` hand its consumers fp8 rows (on) or tensors. Only for a site whose every
-    consumer takes `kernels.fp8.Fp8Rows` (the model decides that when it quantizes its linears)."""
-    if _FAST_NORM_ATTR not in module.__dict__:
+    consumer takes `kernels.fp8.Fp8Rows` (the model decides that when it quantizes its linears). Part of the
+    converted form, not a per-batch switch."""
+    if not sites.marked(module, GROUP):
         raise ValueError(f"{type(module).__name__} is not a marked norm site")
-    setattr(module, _FP8_NORM_ATTR, bool(on))
+    module.__dict__[_FP8_NORM_ATTR] = bool(on)
 
 
 def norm_fp8(module: nn.Module) -> bool:
     """Does the norm site `module` emit fp8 rows now (its flag, and the `fp8_norm_producer` switch)?"""
-    if not _flag(module, _FP8_NORM_ATTR):
+    if not module.__dict__.get(_FP8_NORM_ATTR, False):
         return False
     from .fp8 import LN_PRODUCER
 

@@ -25,7 +25,7 @@ class FirstBlockCache:
     block and reuse that step's image residual of the skipped blocks. Not bit-exact (high tier only).
 
     The decision reads one scalar per step back to the host, so a step with the cache is never one CUDA graph: the
-    embeddings and the first block run eager, and the blocks after it are their own graph (see `_cached_step`).
+    embeddings and the first block run eager, and the blocks after it are their own graph (see `cached_step`).
     """
 
     def __init__(self, threshold: float) -> None:
@@ -89,3 +89,25 @@ def execution_of(transformer: nn.Module) -> StepExecution | None:
     """The execution `running` set for `transformer` in this thread, or None (eager blocks, no graphs)."""
     ex = _EXECUTION.get()
     return ex if ex is not None and ex.transformer is transformer else None
+
+
+def cached_step(model: nn.Module, ex: StepExecution, hidden_states: torch.Tensor,
+                encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+                image_rotary_emb: tuple[torch.Tensor, torch.Tensor], return_dict: bool) -> Any:
+    """A transformer step under `ex.step_cache` (the model calls it after its embeddings): the first double block,
+    then either the cached residual of the others or all of them (replayed from a CUDA graph where `ex.step_graphs`
+    allows it: the same kernels as eager), then the model's output layers."""
+    cache = ex.step_cache
+    encoder_hidden_states, after_first = model._block_runners()[0](
+        model.transformer_blocks[0], hidden_states, encoder_hidden_states, temb, image_rotary_emb)
+    first_residual = after_first - hidden_states
+    if cache.can_skip(first_residual):
+        return model._output(cache.skip(after_first), temb, return_dict)
+    rest = dict(hidden_states=after_first, encoder_hidden_states=encoder_hidden_states, temb=temb,
+                rope_cos=image_rotary_emb[0], rope_sin=image_rotary_emb[1])
+    if ex.step_graphs is not None:
+        hidden_states = ex.step_graphs(model, model._blocks_after_first, rest)
+    else:
+        hidden_states = model._blocks_after_first(**rest)
+    cache.store(first_residual, hidden_states - after_first)
+    return model._output(hidden_states, temb, return_dict)

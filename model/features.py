@@ -47,6 +47,8 @@ class Feature:
     default_with: tuple[str, ...] = ()
     # On, it stands in for that technique (a fused adapter for per-request ones).
     instead_of: str | None = None
+    # Switched per batch at module sites (kernels/sites.py, the group named after the technique).
+    site: bool = False
 
     @property
     def key(self) -> str:
@@ -67,13 +69,13 @@ _COMPILE_SLOWER = ("compiled, the converted form's kernels and 8-bit attention g
 
 FEATURES: tuple[Feature, ...] = (
     Feature("gelu_sites", "Linear + tanh-GELU sites through the fused GEMM epilogue", exact=False, scope="batch",
-            devices=("cuda",), dtypes=_HALF,
+            devices=("cuda",), dtypes=_HALF, site=True,
             excludes={"fp8": "fp8 layers take their GELU inside the quantization pass: no GELU sites to mount"}),
     Feature("fast_norm", "LayerNorm + AdaLN modulation and QK RMSNorm + RoPE through their single-pass fast kernels",
-            exact=False, scope="batch", where="pool", devices=("cuda",), dtypes=_HALF, high_default=True),
+            exact=False, scope="batch", where="pool", devices=("cuda",), dtypes=_HALF, high_default=True, site=True),
     Feature("attention8", "8-bit attention: cuDNN's fp8 SDPA on Hopper, else the Triton int8 Q K^T / fp8 P V kernel",
             exact=False, scope="batch", where="pool", devices=("cuda",), dtypes=_HALF, high_default=True,
-            default_with=("cuda_graphs",)),
+            default_with=("cuda_graphs",), site=True),
     Feature("fused_projections", "q/k/v (and the single block's MLP up-projection) as one GEMM each", exact=False,
             scope="replica", where="pool", high_default=True,
             tp_refusal="the sharded layers are not converted"),

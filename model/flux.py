@@ -33,13 +33,12 @@ from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 from diffusers.utils import apply_lora_scale, logging
 
 from kernels import gelu_site, mark_fused_gelu_site, residual_gate_add, switches
-from kernels.attention import attention, rope_attention_fp8
-from kernels.fp8 import fp8_refusal
+from kernels.attention import attention, attention8, mark_attention8_site, rope_attention_fp8
 from kernels.gelu import unmark_fused_gelu_site
-from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site, norm_fp8, set_norm_fp8
+from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site, norm_fp8
 from kernels.rope import rms_rope_cat
-from model.execution import StepExecution, execution_of
-from model.linear import FP8, FP8_WEIGHT_ONLY, Linear, convertible, is_fp8, linear_cat_gelu
+from model.execution import cached_step, execution_of
+from model.linear import Linear, is_fp8, linear_cat_gelu
 
 logger = logging.get_logger(__name__)
 
@@ -47,34 +46,6 @@ logger = logging.get_logger(__name__)
 # one full-width copy less). A switch only so bench/lossless_fusions.py can measure it.
 IN_PLACE = switches.register("single_block_in_place", True,
                              "single block writes attention and GELU into proj_out's input (no cat)")
-
-__all__ = [
-    "FluxTransformer",
-    "set_attention8",
-    "attention8_sites",
-    "FluxTransformerBlock",
-    "FluxSingleTransformerBlock",
-    "FluxAttention",
-    "FluxAdaLayerNormZero",
-    "FluxAdaLayerNormZeroSingle",
-    "FluxFeedForward",
-    "FluxGELU",
-    "FluxFusedGELUProj",
-]
-
-
-def set_attention8(model: nn.Module, on: bool) -> int:
-    """Switch every `FluxAttention` in `model` to 8-bit attention (`on`, high tier: int8 Q K^T, fp8 P V, not
-    bit-exact; refused per call where it cannot run, see kernels.attention) or back to SDPA; returns how many."""
-    sites = [m for m in model.modules() if isinstance(m, FluxAttention)]
-    for m in sites:
-        m.attention8 = on
-    return len(sites)
-
-
-def attention8_sites(model: nn.Module) -> int:
-    """How many attention modules of `model` are switched to 8-bit attention."""
-    return sum(1 for m in model.modules() if isinstance(m, FluxAttention) and m.attention8)
 
 
 def _fp16_clip(x: torch.Tensor) -> float | None:
@@ -205,8 +176,7 @@ class FluxAttention(nn.Module):
         # High tier: q/k/v (and the text stream's) as one GEMM each, set by `fuse_projections`.
         self.to_qkv: nn.Module | None = None
         self.to_added_qkv: nn.Module | None = None
-        # High tier, per batch (`set_attention8`): 8-bit attention instead of SDPA.
-        self.attention8 = False
+        mark_attention8_site(self)  # high tier, per batch: 8-bit attention instead of SDPA
         mark_norm_site(self)  # QK RMSNorm + RoPE: the fast kernel when the tier switches norms to it
 
     def fuse_projections(self) -> None:
@@ -275,7 +245,8 @@ class FluxAttention(nn.Module):
         norm_added_q = self.norm_added_q if encoder_query is not None else None
         norm_added_k = self.norm_added_k if encoder_query is not None else None
 
-        if self.attention8 and image_rotary_emb is not None:
+        use8 = attention8(self)
+        if use8 and image_rotary_emb is not None:
             # cuDNN's fp8 attention, q and k quantized by their norm pass (None where it does not apply).
             hidden_states = rope_attention_fp8(
                 (encoder_query, query), (encoder_key, key), (encoder_value, value), (norm_added_q, self.norm_q),
@@ -305,10 +276,10 @@ class FluxAttention(nn.Module):
         if out is not None:
             # Into the caller's buffer: SDPA's result is copied there (the copy `flatten` would make anyway), the
             # 8-bit kernel writes there directly.
-            attention(query, key, value, attention_mask, fp8=self.attention8,
+            attention(query, key, value, attention_mask, fp8=use8,
                       out=out.unflatten(-1, (query.shape[2], query.shape[3])))
             return out
-        hidden_states = attention(query, key, value, attention_mask, fp8=self.attention8)
+        hidden_states = attention(query, key, value, attention_mask, fp8=use8)
         return hidden_states.flatten(2, 3).to(query.dtype)
 
 
@@ -411,7 +382,8 @@ class FluxSingleTransformerBlock(nn.Module):
             attn = self.attn
             if self.to_qkv_mlp is not None:
                 width = attn.heads * attn.head_dim
-                q, k, v, mlp = self.to_qkv_mlp(norm_hidden_states).split([width] * 3 + [self.mlp_hidden_dim], -1)
+                fused = self.to_qkv_mlp(norm_hidden_states)  # (at tp > 1 this rank's heads and MLP columns)
+                q, k, v, mlp = fused.split([width] * 3 + [fused.shape[-1] - 3 * width], -1)
                 attn_output = attn.attend(attn._heads(q), attn._heads(k), attn._heads(v),
                                           image_rotary_emb=image_rotary_emb)
             else:
@@ -528,59 +500,12 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         self.proj_out = nn.Linear(self.inner_dim, patch_size * patch_size * self.out_channels, bias=True)
         self.gradient_checkpointing = False
 
-    # -- the high tier's lifetime forms (a high replica converts once at start; the model then serves high only) --
-
     def fuse_qkv_projections(self) -> None:
         """Every block's q/k/v (single blocks: q/k/v + MLP up-projection) as one GEMM. Not bit-exact."""
         for block in self.transformer_blocks:
             block.attn.fuse_projections()
         for block in self.single_transformer_blocks:
             block.fuse_projections()
-
-    def quantize_fp8(self, adaln: bool = True) -> dict[str, str]:
-        """Every block linear that takes a token activation becomes an fp8 `model.linear.Linear` (e4m3 weights, per-row activation
-        scales; the bf16 weights are dropped). Not bit-exact. `adaln`: the AdaLN modulation linears (one row per
-        image, a quarter of the weights) become weight-only fp8 layers (bf16 activations, half the weight bytes to
-        read); else they stay bf16. Returns {layer: why it stayed bf16}; raises ValueError where fp8 cannot run."""
-        reason = fp8_refusal(self.device, self.dtype)
-        if reason is not None:
-            raise ValueError(reason)
-        kept: dict[str, str] = {}
-        # By name, so that each replaced bf16 layer is freed as soon as its fp8 form is in: the conversion's peak is
-        # the model plus one layer, not the bf16 and fp8 models together.
-        for name in [n for n, m in self.named_modules() if "_blocks." in n and isinstance(m, (nn.Linear, Linear))]:
-            parent_name, _, attr = name.rpartition(".")
-            is_adaln = parent_name.rpartition(".")[2] in ("norm", "norm1", "norm1_context")
-            if is_adaln and not adaln:
-                continue
-            parent = self.get_submodule(parent_name)
-            why = convertible(getattr(parent, attr))
-            if why is not None:
-                kept[name] = why
-            else:
-                layer = getattr(parent, attr)
-                plain = layer if isinstance(layer, Linear) else Linear.from_linears([layer])
-                setattr(parent, attr, plain.quantized(FP8_WEIGHT_ONLY if is_adaln else FP8))
-        self._quantize_at_norms()
-        return kept
-
-    def _quantize_at_norms(self) -> None:
-        """Norm sites whose every consumer is now an fp8 linear quantize their own output (one pass, no bf16
-        activation); a site with a consumer left in bf16 keeps handing out tensors."""
-
-        def fp8(*layers: nn.Module | None) -> bool:
-            return all(is_fp8(layer) for layer in layers)
-
-        for block in self.transformer_blocks:
-            a = block.attn
-            set_norm_fp8(block.norm1, fp8(a.to_qkv) if a.to_qkv is not None else fp8(a.to_q, a.to_k, a.to_v))
-            set_norm_fp8(block.norm1_context, fp8(a.to_added_qkv) if a.to_added_qkv is not None
-                         else fp8(a.add_q_proj, a.add_k_proj, a.add_v_proj))
-            set_norm_fp8(block, block.ff.gelu_in_down_proj and block.ff_context.gelu_in_down_proj)
-        for block in self.single_transformer_blocks:
-            a = block.attn
-            ups = (block.to_qkv_mlp,) if block.to_qkv_mlp is not None else (a.to_q, a.to_k, a.to_v, block.proj_mlp)
-            set_norm_fp8(block.norm, is_fp8(block.proj_out) and fp8(*ups))
 
     @apply_lora_scale("joint_attention_kwargs")
     def forward(
@@ -657,7 +582,7 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
         ex = execution_of(self)
         if (ex is not None and ex.step_cache is not None and controlnet_block_samples is None
                 and len(self.transformer_blocks) > 0):
-            return self._cached_step(ex, hidden_states, encoder_hidden_states, temb, image_rotary_emb, return_dict)
+            return cached_step(self, ex, hidden_states, encoder_hidden_states, temb, image_rotary_emb, return_dict)
         hidden_states = self._blocks(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
                                      controlnet_block_samples=controlnet_block_samples,
                                      controlnet_single_block_samples=controlnet_single_block_samples,
@@ -710,26 +635,6 @@ class FluxTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin, CacheMixin, Att
                             temb: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
         """`_blocks` from the second double block on, with tensor arguments only (what a CUDA graph is keyed by)."""
         return self._blocks(hidden_states, encoder_hidden_states, temb, (rope_cos, rope_sin), first=1)
-
-    def _cached_step(self, ex: StepExecution, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                     temb: torch.Tensor, image_rotary_emb: tuple[torch.Tensor, torch.Tensor],
-                     return_dict: bool) -> torch.Tensor | Transformer2DModelOutput:
-        """A step under `ex.step_cache`: the first double block, then either the cached residual of the others or
-        all of them (replayed from a CUDA graph where `ex.step_graphs` allows it: the same kernels as eager)."""
-        cache = ex.step_cache
-        encoder_hidden_states, after_first = self._block_runners()[0](
-            self.transformer_blocks[0], hidden_states, encoder_hidden_states, temb, image_rotary_emb)
-        first_residual = after_first - hidden_states
-        if cache.can_skip(first_residual):
-            return self._output(cache.skip(after_first), temb, return_dict)
-        rest = dict(hidden_states=after_first, encoder_hidden_states=encoder_hidden_states, temb=temb,
-                    rope_cos=image_rotary_emb[0], rope_sin=image_rotary_emb[1])
-        if ex.step_graphs is not None:
-            hidden_states = ex.step_graphs(self, self._blocks_after_first, rest)
-        else:
-            hidden_states = self._blocks_after_first(**rest)
-        cache.store(first_residual, hidden_states - after_first)
-        return self._output(hidden_states, temb, return_dict)
 
     def _output(self, hidden_states: torch.Tensor, temb: torch.Tensor,
                 return_dict: bool) -> torch.Tensor | Transformer2DModelOutput:

@@ -1,6 +1,6 @@
-"""Load a FLUX.1 pipeline fully offline, with our transformer in place of diffusers'.
+"""Load a pipeline fully offline, with our transformer in place of diffusers' (its family: model/family.py).
 
-`load_pipeline` accepts a local diffusers-format FLUX.1 folder or a preset name (see `model.presets`). A folder is
+`load_pipeline` accepts a local diffusers-format folder (FLUX.1) or a preset name (see `model.presets`). A folder is
 checked piece by piece first, so a missing or broken folder fails with `ModelLoadError` naming the piece, instead of
 a deep traceback from diffusers or an attempt to reach the Hub.
 """
@@ -15,21 +15,9 @@ from typing import Any
 import torch
 
 from model import presets
+from model.family import ModelFamily, families, family_of
 from model.pipeline import FluxServePipeline
 from model.request import DEFAULT_MODEL
-
-# Components FluxPipeline needs, and the files each must have (any one name of a group suffices).
-_REQUIRED: dict[str, list[tuple[str, ...]]] = {
-    "scheduler": [("scheduler_config.json",)],
-    "vae": [("config.json",), ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json")],
-    "text_encoder": [("config.json",), ("model.safetensors", "model.safetensors.index.json")],
-    "text_encoder_2": [("config.json",), ("model.safetensors", "model.safetensors.index.json")],
-    "tokenizer": [("tokenizer.json", "vocab.json")],
-    "tokenizer_2": [("tokenizer.json", "spiece.model")],
-    "transformer": [("config.json",), ("diffusion_pytorch_model.safetensors",
-                                       "diffusion_pytorch_model.safetensors.index.json")],
-}
-
 
 class ModelLoadError(RuntimeError):
     """A model folder is missing or broken. `component` names the piece (e.g. "transformer", "model_index.json")."""
@@ -59,12 +47,12 @@ def _offline() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-# A transformer in the original (BFL) single-file layout: transformer/ holds one .safetensors file with these keys.
-_ORIGINAL_KEY = "double_blocks.0.img_attn.qkv.weight"
-_ORIGINAL_PREFIX = "model.diffusion_model."
+def _single_file_family(keys: set[str]) -> ModelFamily | None:
+    """The family whose original single-file layout has these keys, or None."""
+    return next((f for f in families() if {f.single_file.key, f.single_file.prefix + f.single_file.key} & keys), None)
 
 
-def single_file_transformer(sub: str | os.PathLike[str]) -> Path | None:
+def single_file_transformer(sub: str | os.PathLike[str], family: ModelFamily | None = None) -> Path | None:
     """The one original-layout .safetensors file in `sub` (a transformer/ folder), or None (diffusers layout)."""
     from safetensors import safe_open
 
@@ -80,67 +68,73 @@ def single_file_transformer(sub: str | os.PathLike[str]) -> Path | None:
             keys = set(f.keys())
     except Exception:  # not a safetensors file: the diffusers-layout check reports the folder
         return None
-    return files[0] if {_ORIGINAL_KEY, _ORIGINAL_PREFIX + _ORIGINAL_KEY} & keys else None
+    found = _single_file_family(keys)
+    return files[0] if found is not None and (family is None or found == family) else None
 
 
-def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes of a safetensors file, prefix stripped, from its header only (no tensor is read)."""
+def _file_shapes(path: Path, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a safetensors file, `prefix` stripped, from its header only (no tensor is read)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return {k.removeprefix(_ORIGINAL_PREFIX): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-
-
-def _original_config(sd: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """FluxTransformer config of an original-layout checkpoint (key -> shape, prefix stripped). The RoPE axes are
-    not in a checkpoint: FLUX.1's (16, 56, 56) unless transformer/config.json says otherwise."""
-    head_dim = sd["double_blocks.0.img_attn.norm.query_norm.scale"][0]
-    inner = sd["img_in.weight"][0]
-    return dict(
-        patch_size=1, in_channels=sd["img_in.weight"][1], out_channels=sd["final_layer.linear.weight"][0],
-        num_layers=len({k.split(".")[1] for k in sd if k.startswith("double_blocks.")}),
-        num_single_layers=len({k.split(".")[1] for k in sd if k.startswith("single_blocks.")}),
-        attention_head_dim=head_dim, num_attention_heads=inner // head_dim,
-        joint_attention_dim=sd["txt_in.weight"][1], pooled_projection_dim=sd["vector_in.in_layer.weight"][1],
-        guidance_embeds="guidance_in.in_layer.weight" in sd, axes_dims_rope=(16, 56, 56),
-    )
+        return {k.removeprefix(prefix): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
 
 
 def load_single_file_transformer(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
-                                 config: dict[str, Any] | None = None) -> torch.nn.Module:
-    """Our FluxTransformer from an original-layout single file, through diffusers' own key conversion
-    (`convert_flux_transformer_checkpoint_to_diffusers`). Every converted key must match a parameter."""
-    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+                                 config: dict[str, Any] | None = None, family: ModelFamily | None = None) -> torch.nn.Module:
+    """Our transformer from an original-layout single file, through diffusers' own key conversion (the family's).
+    Every converted key must match a parameter."""
     from safetensors.torch import load_file
-
-    from model.flux import FluxTransformer
 
     path = Path(path)
     try:
         sd = load_file(str(path))
     except Exception as exc:
         raise ModelLoadError(path, "transformer", f"unreadable single file ({type(exc).__name__}: {exc})") from exc
-    sd = {k.removeprefix(_ORIGINAL_PREFIX): v for k, v in sd.items()}
+    family = family or _single_file_family(set(sd)) or families()[0]  # unknown keys: the first family's error
+    original = family.single_file
+    cls = family.transformer_class()
+    sd = {k.removeprefix(original.prefix): v for k, v in sd.items()}
     try:
-        cfg = {**_original_config({k: tuple(v.shape) for k, v in sd.items()}), **(config or {})}
+        cfg = {**original.config({k: tuple(v.shape) for k, v in sd.items()}), **(config or {})}
     except KeyError as exc:
-        raise ModelLoadError(path, "transformer", f"not a FLUX.1 checkpoint (missing {exc})") from None
-    if cfg["num_attention_heads"] * cfg["attention_head_dim"] != 3072:
-        # diffusers' converter splits the single blocks' fused projection at FLUX.1's width
-        raise ModelLoadError(path, "transformer", "diffusers' single-file conversion supports FLUX.1's width 3072 "
-                                                  f"only, this checkpoint is {sd['img_in.weight'].shape[0]} wide")
-    converted = convert_flux_transformer_checkpoint_to_diffusers(dict(sd))
+        raise ModelLoadError(path, "transformer", f"not a {family.title} checkpoint (missing {exc})") from None
+    width = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    if width != original.width:
+        raise ModelLoadError(path, "transformer", f"diffusers' single-file conversion supports {family.title}'s width "
+                                                  f"{original.width} only, this checkpoint is {width} wide")
+    converted = original.convert(dict(sd))
     with torch.device("meta"):
-        model = FluxTransformer(**cfg)
+        model = cls(**cfg)
     missing, unexpected = model.load_state_dict(converted, strict=False, assign=True)
     if missing or unexpected:
-        raise ModelLoadError(path, "transformer", f"checkpoint does not match FluxTransformer: missing {missing}, "
+        raise ModelLoadError(path, "transformer", f"checkpoint does not match {cls.__name__}: missing {missing}, "
                                                   f"unexpected {unexpected}")
     return model.to(dtype).eval()
 
 
+def folder_family(root: Path) -> ModelFamily:
+    """The model family of a folder: its model_index.json `_class_name`; for a transformer/ folder alone, its
+    config.json's or its single file's keys."""
+    for where in ("model_index.json", "transformer/config.json"):
+        if (root / where).is_file():
+            try:
+                return family_of(json.loads((root / where).read_text()).get("_class_name", ""))
+            except ValueError as exc:
+                raise ModelLoadError(root, where, str(exc)) from None
+    for file in sorted((root / "transformer").glob("*.safetensors")):
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as f:
+            found = _single_file_family(set(f.keys()))
+        if found is not None:
+            return found
+    raise ModelLoadError(root, "model_index.json", "missing")
+
+
 def check_folder(path: str | os.PathLike[str]) -> Path:
-    """Check that `path` looks like a complete diffusers FLUX.1 folder; raise ModelLoadError naming what is not."""
+    """Check that `path` looks like a complete diffusers folder of a family fluxserve serves; raise ModelLoadError
+    naming what is not."""
     root = Path(path)
     if not root.is_dir():
         raise ModelLoadError(root, "folder", "does not exist or is not a directory")
@@ -151,14 +145,15 @@ def check_folder(path: str | os.PathLike[str]) -> Path:
         model_index = json.loads(index.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(root, "model_index.json", f"not valid JSON ({exc})") from None
-    for component, groups in _REQUIRED.items():
+    family = folder_family(root)
+    for component, groups in family.components.items():
         entry = model_index.get(component)
         if not (isinstance(entry, list) and len(entry) == 2 and entry[1]):
             raise ModelLoadError(root, component, "not listed in model_index.json")
         sub = root / component
         if not sub.is_dir():
             raise ModelLoadError(root, component, f"subfolder {component}/ missing")
-        if component == "transformer" and single_file_transformer(sub) is not None:
+        if component == "transformer" and single_file_transformer(sub, family) is not None:
             continue
         for names in groups:
             if not any((sub / n).is_file() for n in names):
@@ -176,16 +171,16 @@ def check_folder(path: str | os.PathLike[str]) -> Path:
 
 def load_transformer(folder: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                      cls: type | None = None) -> torch.nn.Module:
-    """Load transformer/ of a FLUX.1 folder (diffusers layout: single file or sharded safetensors; or one file in
-    the original single-file layout) into our FluxTransformer (or `cls`), requiring every checkpoint key to match a
-    parameter and vice versa."""
+    """Load transformer/ of a folder (diffusers layout: single file or sharded safetensors; or one file in the
+    original single-file layout) into the family's transformer class (or `cls`), requiring every checkpoint key to
+    match a parameter and vice versa."""
     _offline()
-    if cls is None:
-        from model.flux import FluxTransformer as cls  # noqa: N813 - the class under its contract name
     root = Path(folder)
-    single = single_file_transformer(root / "transformer")
+    family = folder_family(root)
+    cls = cls or family.transformer_class()
+    single = single_file_transformer(root / "transformer", family)
     if single is not None:
-        return _load_single(root, single, dtype, cls)
+        return _load_single(root, single, dtype, cls, family)
     try:
         model, info = cls.from_pretrained(root, subfolder="transformer", **_dtype_kwarg(dtype), local_files_only=True,
                                           output_loading_info=True)
@@ -199,37 +194,34 @@ def load_transformer(folder: str | os.PathLike[str], dtype: torch.dtype = torch.
     return model.eval()
 
 
-def _load_single(root: Path, single: Path, dtype: torch.dtype, cls: type) -> torch.nn.Module:
+def _load_single(root: Path, single: Path, dtype: torch.dtype, cls: type, family: ModelFamily) -> torch.nn.Module:
     """transformer/ holds one original-layout file: ours through diffusers' key conversion; diffusers' own class
     (the reference) through its `from_single_file`, an independent path."""
     config_file = root / "transformer" / "config.json"
     config = None
     if config_file.is_file():
         config = {k: v for k, v in json.loads(config_file.read_text()).items() if not k.startswith("_")}
-    from model.flux import FluxTransformer
-
-    if cls is FluxTransformer:
-        return load_single_file_transformer(single, dtype, config)
+    if cls is family.transformer_class():
+        return load_single_file_transformer(single, dtype, config, family)
     import tempfile
 
-    cfg = {**_original_config(_file_shapes(single)), **(config or {})}
+    cfg = {**family.single_file.config(_file_shapes(single, family.single_file.prefix)), **(config or {})}
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps({"_class_name": cls.__name__, **cfg}))
         return cls.from_single_file(str(single), config=tmp, local_files_only=True, **_dtype_kwarg(dtype)).eval()
 
 
-def load_flux_pipeline(folder: str | os.PathLike[str], transformer: torch.nn.Module,
-                       device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Any:
-    """diffusers FluxPipeline from `folder` with `transformer` substituted, moved to `device`."""
-    from diffusers import FluxPipeline
-
+def load_diffusers_pipeline(folder: str | os.PathLike[str], transformer: torch.nn.Module,
+                            device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    """The family's diffusers text-to-image pipeline from `folder` with `transformer` substituted, on `device`."""
     _offline()
     root = Path(folder)
+    family = folder_family(root)
     try:
-        pipe = FluxPipeline.from_pretrained(root, transformer=transformer, **_dtype_kwarg(dtype),
-                                            local_files_only=True)
+        pipe = family.pipeline_classes()["text"].from_pretrained(root, transformer=transformer,
+                                                                  **_dtype_kwarg(dtype), local_files_only=True)
     except Exception as exc:
-        component = next((c for c in _REQUIRED if c in str(exc)), "pipeline components")
+        component = next((c for c in family.components if c in str(exc)), "pipeline components")
         raise ModelLoadError(root, component, f"{type(exc).__name__}: {exc}") from exc
     for module in (pipe.text_encoder, pipe.text_encoder_2, pipe.vae):
         module.eval()
@@ -249,45 +241,42 @@ def load_pipeline(path_or_preset: str | os.PathLike[str] = DEFAULT_MODEL, device
         folder = Path(name).expanduser()
     check_folder(folder)
     transformer = load_transformer(folder, dtype)
-    pipe = load_flux_pipeline(folder, transformer, device, dtype)
+    pipe = load_diffusers_pipeline(folder, transformer, device, dtype)
     return FluxServePipeline(pipe, source=name, folder=folder)
 
 
 def _in_memory_preset(name: str, device: str | torch.device, dtype: torch.dtype) -> "FluxServePipeline":
     """Full-size random preset: build every component on `device`, then move the random transformer weights into
     our class (strict: same names) and drop diffusers' copy."""
-    from diffusers import FluxPipeline
-
-    from model.flux import FluxTransformer
-
     components = presets.build_components(name, device, dtype)
     reference = components["transformer"]
+    family = family_of(reference)
     with torch.device(device), presets.default_dtype(dtype):
-        ours = FluxTransformer.from_config(reference.config)
+        ours = family.transformer_class().from_config(reference.config)
     ours.load_state_dict(reference.state_dict(), strict=True)
     del reference
     components["transformer"] = ours.eval()
-    pipe = FluxPipeline(**components)
+    pipe = family.pipeline_classes()["text"](**components)
     return FluxServePipeline(pipe, source=name, folder=None)
 
 
 def diffusers_reference(pipe: FluxServePipeline) -> Any:
-    """A stock diffusers FluxPipeline with diffusers' own FluxTransformer2DModel and the same weights.
+    """A stock diffusers pipeline of the family with diffusers' own transformer class and the same weights.
 
     From a folder, every component is loaded again by diffusers itself (an independent load path). For an
     in-memory preset there is no folder: the reference shares the text encoders, VAE and tokenizers, and gets
-    a FluxTransformer2DModel holding a copy of our transformer's weights.
+    diffusers' transformer holding a copy of our transformer's weights.
     """
-    from diffusers import FluxPipeline, FluxTransformer2DModel
-
+    family = family_of(pipe.transformer)
+    reference_cls = family.reference_transformer_class()
     if pipe.folder is not None:
-        transformer = load_transformer(pipe.folder, pipe.dtype, cls=FluxTransformer2DModel)
-        return load_flux_pipeline(pipe.folder, transformer, pipe.device, pipe.dtype)
+        transformer = load_transformer(pipe.folder, pipe.dtype, cls=reference_cls)
+        return load_diffusers_pipeline(pipe.folder, transformer, pipe.device, pipe.dtype)
     # no float32 detour: 24 GB vs 48 GB at full size
     with torch.device(pipe.device), presets.default_dtype(pipe.dtype):
-        transformer = FluxTransformer2DModel.from_config(pipe.transformer.config)
+        transformer = reference_cls.from_config(pipe.transformer.config)
     transformer.load_state_dict(pipe.transformer.state_dict(), strict=True)
     components = dict(pipe.pipe.components)
     components["transformer"] = transformer.eval()
     components["scheduler"] = type(pipe.pipe.scheduler).from_config(pipe.pipe.scheduler.config)
-    return FluxPipeline(**components)
+    return family.pipeline_classes()["text"](**components)

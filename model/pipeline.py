@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from model import faults
+from model.family import family_of
 from model.features import HIGH_DEFAULTS, feature
 from model.form import BATCH_DEFAULTS, ServingForm
 from model.preview import PreviewSink, previewer_of
@@ -29,12 +30,6 @@ if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request t
     from model.graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
-
-# T5 tokens per prompt, as diffusers uses each model: FluxPipeline's default (512, also its maximum) for FLUX.1-dev;
-# FLUX.1-schnell (no guidance embedding) is documented and run with 256. A tokenizer with a smaller
-# model_max_length (the tiny presets) lowers it further.
-_T5_TOKENS_DEV = 512
-_T5_TOKENS_SCHNELL = 256
 
 
 @dataclass
@@ -62,9 +57,8 @@ def md5(data: bytes | torch.Tensor) -> str:
 
 
 def max_sequence_length(pipe: Any) -> int:
-    """T5 tokens per prompt for this pipeline's model (see _T5_TOKENS_DEV)."""
-    default = _T5_TOKENS_DEV if pipe.transformer.config.guidance_embeds else _T5_TOKENS_SCHNELL
-    return min(default, int(pipe.tokenizer_2.model_max_length))
+    """Text-encoder tokens per prompt for this pipeline's model, as its family runs it."""
+    return family_of(pipe).text_tokens(pipe)
 
 
 def request_generators(requests: list[GenerationRequest]) -> list["torch.Generator"]:
@@ -83,10 +77,9 @@ def _sync(device: "torch.device") -> None:
 
 
 def edit_pipeline(pipe: Any, inpaint: bool) -> Any:
-    """diffusers' FluxImg2ImgPipeline / FluxInpaintPipeline sharing `pipe`'s components (built once per pipe)."""
-    from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
-
-    cls = FluxInpaintPipeline if inpaint else FluxImg2ImgPipeline
+    """The family's image-to-image / inpainting diffusers pipeline sharing `pipe`'s components (built once per
+    pipe)."""
+    cls = family_of(pipe).pipeline_classes()["inpaint" if inpaint else "img2img"]
     cache = pipe.__dict__.setdefault("_fluxserve_edit_pipelines", {})
     if cls not in cache:
         cache[cls] = cls(**pipe.components)
@@ -373,12 +366,12 @@ class FluxServePipeline:
             if fused_projections and not self.fused_projections:
                 if self.fp8:
                     raise ValueError("fuse projections before quantizing to fp8")
-                self.transformer.fuse_qkv_projections()
+                family_of(self.transformer).fuse_projections(self.transformer)
                 self.form = replace(self.form, fused_projections=True)
             if fp8 and not self.fp8:
                 from model.linear import is_fp8
 
-                kept = self.transformer.quantize_fp8(adaln=fp8_adaln)
+                kept = family_of(self.transformer).quantize_fp8(self.transformer, fp8_adaln)
                 self.form = replace(self.form, fp8=True)
                 self.fp8_layers = sum(is_fp8(m) for m in self.transformer.modules())
             if self._step_graphs is not None:

@@ -15,11 +15,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import kernels
-from kernels.modulate import set_fast_norm
+from kernels import gelu, sites
 from model.execution import FirstBlockCache, running
-from model.features import exclusion, feature, is_on
-from model.flux import set_attention8
+from model.features import FEATURES, exclusion, feature, is_on
 from model.request import Quality
 
 if TYPE_CHECKING:
@@ -116,11 +114,12 @@ class TierReport:
     step_cache: Any = None  # the batch's model.execution.FirstBlockCache (its computed / skipped step counts)
 
 
+# The feature-table techniques switched at module sites (kernels/sites.py groups carry their names).
+SITE_GROUPS: tuple[str, ...] = tuple(f.name for f in FEATURES if f.site)
+
+
 def _restore_lossless(transformer: torch.nn.Module) -> None:
-    # One walk over the modules per kind of site (the walks are most of a batch's host-side setup).
-    kernels.unmount(transformer)
-    set_fast_norm(transformer, False)
-    set_attention8(transformer, False)
+    sites.switch(transformer, {group: False for group in SITE_GROUPS})  # one walk (most of a batch's host setup)
 
 
 @contextmanager
@@ -132,23 +131,20 @@ def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
     agree: called once with this process's "every site mounted" and returns the verdict of all ranks (TP: a
     collective), so that a refusal anywhere unmounts everywhere.
     """
-    _restore_lossless(transformer)  # lossless must never run on a site a previous batch left switched
     report = TierReport()
     runners = graphs = None
     try:
+        # One walk sets every site to the plan (off where the plan does not switch it: lossless never runs on a site
+        # a previous batch left on); the GELU sites mount all or none, on every rank or on none.
+        on = plan.techniques()
+        switched = sites.switch(transformer, {group: group in on for group in SITE_GROUPS},
+                                checks={gelu.GROUP: gelu.site_check}, agree=agree)
         if plan.mount_gelu:
-            report.mount_report = kernels.mount(transformer)
-            ok = report.mount_report.ok
-            if agree is not None:
-                ok = agree(ok)
-            if not ok:
-                kernels.unmount(transformer)
-            # every site was unmounted before: what this mount switched on is all that is mounted
-            report.mounted_sites = len(report.mount_report.mounted) if ok else 0
-        if plan.fast_norm:
-            report.fast_norm_sites = set_fast_norm(transformer, True)
-        if plan.attention8:
-            report.attention8_sites = set_attention8(transformer, True)
+            report.mount_report = gelu.MountReport(mounted=switched.on.get(gelu.GROUP, []),
+                                                   refused=switched.refused.get(gelu.GROUP, {}))
+        report.mounted_sites = switched.count(gelu.GROUP)
+        report.fast_norm_sites = switched.count("fast_norm")
+        report.attention8_sites = switched.count("attention8")
         if plan.compiled:
             if block_runners is None:
                 raise ValueError("a compiled plan needs the compiled block runners")

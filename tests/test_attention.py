@@ -16,7 +16,8 @@ import torch
 
 import kernels.attention as A
 from deployments.config import AppArgs
-from model.flux import FluxTransformer, attention8_sites
+from kernels.attention import attention8_sites, set_attention8
+from model.flux import FluxAttention, FluxTransformer
 from model.loading import load_pipeline
 from model.pipeline import GenerationRequest
 from model.tiers import TierPlan, applied_tier, plan_tier
@@ -220,7 +221,7 @@ def test_the_pipeline_plans_attention8_for_high_on_cuda_half_only(tiny_path: Pat
         lossless = pipe.generate([GenerationRequest("a red circle", height=64, width=64, steps=1, seed=0)])[0]
     finally:
         hook.remove()
-    n = sum(1 for m in pipe.transformer.modules() if hasattr(m, "attention8"))
+    n = sum(1 for m in pipe.transformer.modules() if isinstance(m, FluxAttention))
     assert high.ran.attention8_sites == n > 0 and lossless.ran.attention8_sites == 0 and seen == [n, 0]
     assert attention8_sites(pipe.transformer) == 0
 
@@ -372,7 +373,7 @@ def test_attention_module_takes_the_cudnn_path_result_and_falls_back_when_it_ref
     cos, sin = torch.ones(9, 32), torch.zeros(9, 32)
     with torch.no_grad():
         plain = attn.attend(q, k, v, enc, image_rotary_emb=(cos, sin))
-        attn.attention8 = True
+        set_attention8(attn, True)
         assert torch.equal(attn.attend(q, k, v, enc, image_rotary_emb=(cos, sin)), plain)  # CPU: refused
         seen = []
         fake = torch.randn(1, 9, 2, 32)

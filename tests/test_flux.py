@@ -195,7 +195,7 @@ def test_gelu_site_structure() -> None:
     assert isinstance(ff0, FluxFusedGELUProj) and type(ff0.proj) is torch.nn.Linear
     assert type(m.transformer_blocks[0].ff.net[2]) is torch.nn.Linear
     assert isinstance(m.transformer_blocks[1].ff_context.net[0], FluxFusedGELUProj)
-    names = [n for n, *_ in kernels.gelu._iter_sites(m)]
+    names = kernels.gelu.site_names(m)
     assert names == [
         "transformer_blocks.0.ff.net.0.proj",
         "transformer_blocks.0.ff_context.net.0.proj",
@@ -217,7 +217,7 @@ def test_flux_gelu_wraps_any_linear_like_module() -> None:
     site = FluxGELU(layer)
     x = torch.randn(2, 3, 8)
     assert torch.equal(site(x), torch.nn.functional.gelu(layer(x), approximate="tanh"))
-    assert [n for n, *_ in kernels.gelu._iter_sites(site)] == ["proj"]
+    assert kernels.gelu.site_names(site) == ["proj"]
 
 
 def test_mount_routes_every_site_and_unmount_restores(pairs, monkeypatch) -> None:

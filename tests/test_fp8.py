@@ -24,9 +24,11 @@ import kernels
 import kernels.fp8 as fp8
 import model.execution as execution
 import model.flux as flux_mod
+import model.flux1 as flux1
 from deployments.config import AppArgs
 from kernels.modulate import layer_norm_modulate, norm_fp8
 from model.flux import FluxTransformer
+from model.flux1 import quantize_fp8
 from model.linear import FP8, FP8_WEIGHT_ONLY, Linear, convertible, is_fp8, linear_cat_gelu
 from model.loading import load_pipeline
 from model.pipeline import GenerationRequest
@@ -215,7 +217,7 @@ def test_refusals_say_why() -> None:
     assert "Conv1d is not a linear layer" in convertible(nn.Conv1d(4, 4, 1))
     assert "CUDA" in convertible(nn.Linear(32, 32))
     with pytest.raises(ValueError, match="CUDA"):
-        _model(torch.bfloat16).quantize_fp8()
+        quantize_fp8(_model(torch.bfloat16))
 
 
 _NOT_SUPPORTED = ("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic( ltHandle, "
@@ -311,7 +313,7 @@ def test_fused_projections_compute_the_same_block_outputs_and_drop_the_separate_
     single = m.single_transformer_blocks[0]
     assert not hasattr(single, "proj_mlp") and single.to_qkv_mlp.out_features == 3 * 128 + 512
     # the single blocks' GELU sites went with proj_mlp; the double blocks' FF sites still mount
-    sites = [name for name, *_ in kernels.gelu._iter_sites(m)]
+    sites = kernels.gelu.site_names(m)
     assert sites and all(".ff" in name for name in sites), sites
 
 
@@ -329,8 +331,8 @@ def test_fused_projections_are_idempotent_and_refuse_fp8_layers() -> None:
 @pytest.fixture
 def fp8_on_cpu(monkeypatch):
     """Let the conversion run on the CPU (the layers then multiply with their dequantized CPU twin)."""
-    monkeypatch.setattr(flux_mod, "fp8_refusal", lambda device, dtype: None)
-    monkeypatch.setattr(flux_mod, "convertible",
+    monkeypatch.setattr(flux1, "fp8_refusal", lambda device, dtype: None)
+    monkeypatch.setattr(flux1, "convertible",
                         lambda lin: fp8.shape_refusal(lin.in_features, lin.out_features))
 
 
@@ -365,7 +367,7 @@ def test_fp8_conversion_of_a_model_converts_every_token_linear_and_stays_close(f
         if fused:
             m.fuse_qkv_projections()
         twin = copy.deepcopy(m)
-        kept = m.quantize_fp8()
+        kept = quantize_fp8(m)
         with kernels.switches.override(fp8_norm_producer=False):  # the consumers quantize the bf16 norm rows
             assert not any(norm_fp8(mod) for mod in m.modules())
             got = m(**inputs)[0]
@@ -402,7 +404,7 @@ def test_a_converted_model_traces_whole_under_torch_compile(fp8_on_cpu) -> None:
     AdaLN layers quantize their one row per image (the weight-only GEMV is a launcher, not traced)."""
     m = _model(torch.bfloat16)
     m.fuse_qkv_projections()
-    m.quantize_fp8()
+    quantize_fp8(m)
     inputs = _inputs(2, torch.bfloat16)
     torch._dynamo.reset()
     with torch.no_grad():
@@ -419,7 +421,7 @@ def test_a_converted_model_traces_whole_under_torch_compile(fp8_on_cpu) -> None:
 
 def test_fp8_conversion_can_keep_the_adaln_linears_in_bf16(fp8_on_cpu) -> None:
     m = _model(torch.bfloat16)
-    m.quantize_fp8(adaln=False)
+    quantize_fp8(m, adaln=False)
     plain = sorted(name for name, mod in m.named_modules() if type(mod) is nn.Linear and "_blocks." in name)
     assert plain and all(name.rsplit(".", 2)[-2].startswith("norm") for name in plain), plain
     assert not any(mod.quant.weight_only for mod in m.modules() if is_fp8(mod))
@@ -471,7 +473,7 @@ print("weight-only ok")
 
 def test_fp8_layers_where_a_shape_is_refused_stay_bf16_and_are_reported(fp8_on_cpu) -> None:
     m = _model(torch.bfloat16, num_attention_heads=3, attention_head_dim=24, axes_dims_rope=(8, 8, 8))  # width 72
-    kept = m.quantize_fp8()
+    kept = quantize_fp8(m)
     assert kept and all("divisible by 16" in why for why in kept.values())
     assert not any(is_fp8(mod) for mod in m.modules())
     assert not any(ff.gelu_in_down_proj for ff in m.modules() if isinstance(ff, flux_mod.FluxFeedForward))
@@ -831,7 +833,7 @@ def test_gpu_flux_dev_width_blocks_in_fp8_stay_close_to_bf16(side: int) -> None:
         m.fuse_qkv_projections()
         fused = m(**inputs)[0]
         twin = copy.deepcopy(m)
-        assert m.quantize_fp8() == {}
+        assert quantize_fp8(m) == {}
         got = m(**inputs)[0]
         emulated = _fake_quantized_twin(twin, m)(**inputs)[0]
     assert _rel(fused, ref) < 0.01, _rel(fused, ref)
@@ -851,7 +853,7 @@ def test_gpu_compiled_fp8_blocks_stay_close_to_the_eager_fp8_form() -> None:
     with torch.no_grad():
         ref = m(**inputs)[0]
     m.fuse_qkv_projections()
-    assert m.quantize_fp8() == {}
+    assert quantize_fp8(m) == {}
     torch._dynamo.reset()
     with torch.no_grad():
         eager = m(**inputs)[0]

@@ -525,7 +525,7 @@ def test_cli_rejects_bad_size(capsys) -> None:
 
 
 def test_fast_norm_switches_for_high_batches_only(tiny_pipe, monkeypatch) -> None:
-    """`high_fast_norm`: every norm site is switched during a high batch and back after; a lossless batch never sees
+    """The form's fast_norm: every norm site is switched during a high batch and back after; a lossless batch never sees
     a switched site. On CPU the switch is refused (fast kernel is CUDA half only), so nothing changes by default."""
     from kernels.modulate import fast_norm_sites, set_fast_norm
 
@@ -533,7 +533,7 @@ def test_fast_norm_switches_for_high_batches_only(tiny_pipe, monkeypatch) -> Non
     # norm1, norm1_context, the norm2 pair and the attention's QK norms of a double block; a single block's norm and
     # its attention's QK norms
     n_sites = 4 * model.config.num_layers + 2 * model.config.num_single_layers
-    assert set_fast_norm(model, False) == n_sites
+    assert set_fast_norm(model, True) == n_sites and set_fast_norm(model, False) == 0
     req, high_req = GenerationRequest("a fox", steps=2, seed=3), GenerationRequest("a fox", steps=2, seed=3,
                                                                                      quality="high")
     tiny_pipe.use(fast_norm=True)

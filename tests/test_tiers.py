@@ -9,7 +9,8 @@ import kernels
 from kernels import gelu as G
 from kernels.modulate import fast_norm_sites
 from model.execution import execution_of
-from model.flux import FluxTransformer, attention8_sites, run_double_block, run_single_block
+from kernels.attention import attention8_sites
+from model.flux import FluxTransformer, run_double_block, run_single_block
 from model.tiers import TierPlan, applied_tier, plan_tier
 
 SMALL = dict(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=32, num_attention_heads=4,

@@ -88,7 +88,7 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
     from model.loading import diffusers_reference, load_transformer
     from model import linear as tp_layers
     from model.linear import Column, Linear, Row
-    from tp.shard import gather_full_state_dict, mount_all_ranks, shard_flux_transformer
+    from tp.shard import gather_full_state_dict, mount_all_ranks, shard_transformer
     from tp.worker import TPWorker
 
     torch.set_num_threads(1)  # two ranks on two cores
@@ -108,7 +108,7 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
     from model.pipeline import run_flux_pipeline
 
     reference = diffusers_reference(worker.pipe)
-    shard_flux_transformer(reference.transformer, rank, WORLD, group)
+    shard_transformer(reference.transformer, rank, WORLD, group)
     res["eager_pipeline"] = run_flux_pipeline(reference, _requests("lossless"))
     del reference
     # The worker's transformer shards gather back to the checkpoint's weights.
@@ -171,8 +171,8 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
     res["fp64"] = _forward(full64, torch.float64)
     del full64
     eager = FluxTransformer2DModel.from_pretrained(Path(tiny_path) / "transformer", torch_dtype=torch.float32)
-    shard_flux_transformer(full, rank, WORLD, group)
-    shard_flux_transformer(eager, rank, WORLD, group)
+    shard_transformer(full, rank, WORLD, group)
+    shard_transformer(eager, rank, WORLD, group)
     res["layer_types"] = {
         "ff_up": type(full.transformer_blocks[0].ff.net[0]).__name__,
         "ff_up_proj": type(full.transformer_blocks[0].ff.net[0].proj.parallel).__name__,
@@ -348,7 +348,7 @@ def test_setup_shards_heads_and_reports(tp_run: dict) -> None:
 def test_layer_layout(tp_run: dict) -> None:
     types = tp_run[0]["layer_types"]
     assert types == {
-        "ff_up": "FluxGELU",
+        "ff_up": "FluxFusedGELUProj",  # the GELU site keeps its module, its layer sharded
         "ff_up_proj": "Column",
         "ff_up_gather": False,
         "ff_down": "Row",
@@ -513,12 +513,12 @@ def test_heads_not_divisible_is_a_clear_error(tiny_path: Path) -> None:
     import torch
 
     from model.loading import load_transformer
-    from tp.shard import shard_flux_transformer, tp_info
+    from tp.shard import shard_transformer, tp_info
 
     model = load_transformer(tiny_path, torch.float32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"num_attention_heads=4 .*tensor-parallel size 3"):
-        shard_flux_transformer(model, 0, 3, None)
+        shard_transformer(model, 0, 3, None)
     assert tp_info(model) is None
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -528,11 +528,11 @@ def test_single_rank_shard_is_identity(tiny_path: Path) -> None:
     import torch
 
     from model.loading import load_transformer
-    from tp.shard import shard_flux_transformer
+    from tp.shard import shard_transformer
 
     model = load_transformer(tiny_path, torch.float32)
     ref = _forward(model, torch.float32)
-    shard_flux_transformer(model, 0, 1, None)
+    shard_transformer(model, 0, 1, None)
     assert torch.equal(_forward(model, torch.float32), ref)
 
 

@@ -32,7 +32,7 @@ def _rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None:
         from model.loading import load_transformer
         from test_tp import _forward
         from model import linear as tp_layers
-        from tp.shard import mount_all_ranks, shard_flux_transformer
+        from tp.shard import mount_all_ranks, shard_transformer
         from tp.worker import TPWorker
 
         device = f"cuda:{rank}"  # plain processes see every GPU: pick ours explicitly
@@ -49,8 +49,8 @@ def _rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None:
             return _forward(model, torch.bfloat16, device)
 
         res["tp1"] = fwd(full)
-        shard_flux_transformer(full, rank, WORLD, worker.group)
-        shard_flux_transformer(eager, rank, WORLD, worker.group)
+        shard_transformer(full, rank, WORLD, worker.group)
+        shard_transformer(eager, rank, WORLD, worker.group)
         calls = []
         real = tp_layers.all_reduce_sum
         tp_layers.all_reduce_sum = lambda t, g: (calls.append(1), real(t, g))[1]
@@ -140,7 +140,7 @@ def _shared_rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None
         from model.pipeline import GenerationRequest
         from tests._inputs import random_flux
         from tp.dist import init_tp
-        from tp.shard import agree_all_ranks, check_replicas_identical, shard_flux_transformer
+        from tp.shard import agree_all_ranks, check_replicas_identical, shard_transformer
 
         device = "cuda:0"  # both ranks on the one GPU
         torch.cuda.set_device(0)
@@ -160,7 +160,7 @@ def _shared_rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None
             return r.latents, r.png
 
         res["tp1"], res["tp1_image"] = forward(), lossless()
-        shard_flux_transformer(pipe.transformer, rank, WORLD, group)
+        shard_transformer(pipe.transformer, rank, WORLD, group)
         res["heads_per_rank"] = int(pipe.transformer.transformer_blocks[0].attn.heads)
         forward()  # the exact gates verify their kernels against eager on first sight of each shape
         gates = {g.name: g for g in _exact_gates()}

@@ -2,7 +2,7 @@
 `model.linear.Linear` layers, cross-rank all-or-nothing GELU mounting, and the per-rank worker (`tp.worker.TPWorker`)."""
 
 from .dist import default_backend, find_free_port, init_tp, shutdown_tp
-from .shard import TPInfo, check_replicas_identical, gather_full_state_dict, mount_all_ranks, shard_flux_transformer, tp_info
+from .shard import TPInfo, check_replicas_identical, gather_full_state_dict, mount_all_ranks, shard_transformer, tp_info
 
 __all__ = [
     "TPInfo",
@@ -13,7 +13,7 @@ __all__ = [
     "gather_full_state_dict",
     "init_tp",
     "mount_all_ranks",
-    "shard_flux_transformer",
+    "shard_transformer",
     "shutdown_tp",
     "tp_info",
 ]

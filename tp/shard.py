@@ -1,34 +1,26 @@
-"""Shard a fully loaded FLUX transformer in place for tensor parallelism (Megatron layout).
+"""Shard a fully loaded transformer in place for tensor parallelism, by its family's declarative plan.
 
-Per double-stream block (4 all-reduces):
-  attn.to_q/to_k/to_v, attn.add_q_proj/add_k_proj/add_v_proj  column-parallel by heads (no communication)
-  attn.to_out.0, attn.to_add_out                               row-parallel   -> 2 all-reduces
-  ff.net.0.proj, ff_context.net.0.proj (+ tanh-GELU)           column-parallel (FluxGELU, a fused-GELU site)
-  ff.net.2, ff_context.net.2                                   row-parallel   -> 2 all-reduces
-Per single-stream block (1 all-reduce):
-  attn.to_q/to_k/to_v, proj_mlp (+ tanh-GELU site)             column-parallel
-  proj_out                                                     row-parallel over cat([attn, mlp]) -> 1 all-reduce
-  (rank r's input is [attn shard r | mlp shard r], so its weight columns are [attn cols of r | mlp cols of r])
-Replicated: AdaLN modulation linears (they index the full hidden dim), the QK RMSNorms (over head_dim, after the
-head split), time/text/guidance embedders, x_embedder, context_embedder, norm_out, proj_out, RoPE.
-FLUX.1-dev: 19 * 4 + 38 * 1 = 114 all-reduces per transformer forward; every other activation stays
-replicated, so the residual stream, the residual-gate sites and everything between blocks run unchanged
-(residual-gate fusion stays bit-exact with eager at the same TP degree).
+The plan (`model.family.ModelFamily.tp_plan`; FLUX.1's in model/flux1.py) names the column- and row-parallel linear
+layers by module path; every other layer stays replicated. Each matched layer becomes this rank's share of a
+`model.linear.Linear` (a plain one, or one already converted: weights and scales shard alike), and the attention
+modules of `attention_path` read their local head count from `heads`. A FLUX.1 double block then all-reduces 4
+times, a single block once: FLUX.1-dev 19 * 4 + 38 * 1 = 114 all-reduces per forward; the residual stream, the
+residual-gate sites and everything between blocks run unchanged (residual-gate fusion stays bit-exact with eager at
+the same TP degree).
 
-Works on our `model.flux.FluxTransformer` and on diffusers' `FluxTransformer2DModel` (same module tree; the
-latter is the eager reference in tests).
+Works on our transformer and on diffusers' (same module tree; the latter is the eager reference in tests).
 """
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from model.flux import FluxGELU
-
+from model.family import family_of
 from model.linear import Column, Linear, Row
 
 TP_ATTR = "_fluxserve_tp"
@@ -53,47 +45,13 @@ def _shard(layer: nn.Module, parallel: Column | Row) -> Linear:
     return Linear.from_linears([layer], parallel=parallel)
 
 
-def _column(linear: nn.Module, info: TPInfo) -> Linear:
-    return _shard(linear, Column(info.rank, info.world_size, info.group))
+def shard_transformer(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None
+                      ) -> nn.Module:
+    """Shard `model` (fully loaded on this rank) in place for rank `rank` of `world_size` by its family's TP plan;
+    returns it.
 
-
-def _row(linear: nn.Module, info: TPInfo, input_blocks: list[int] | None = None) -> Linear:
-    blocks = None if input_blocks is None else tuple(input_blocks)
-    return _shard(linear, Row(info.rank, info.world_size, info.group, blocks=blocks))
-
-
-def _shard_attention(attn: nn.Module, info: TPInfo) -> None:
-    for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
-        layer = getattr(attn, name, None)
-        if layer is not None:
-            setattr(attn, name, _column(layer, info))
-    to_out = getattr(attn, "to_out", None)
-    if to_out is not None:
-        to_out[0] = _row(to_out[0], info)
-    if getattr(attn, "to_add_out", None) is not None:
-        attn.to_add_out = _row(attn.to_add_out, info)
-    # Processors read the local head count from attn.heads (diffusers' reshapes by head_dim alone).
-    attn.heads = attn.heads // info.world_size
-    if hasattr(attn, "inner_dim"):
-        attn.inner_dim = attn.inner_dim // info.world_size
-
-
-def _shard_feed_forward(ff: nn.Module, info: TPInfo) -> None:
-    up = ff.net[0]
-    col = _column(up.proj, info)
-    if isinstance(up, FluxGELU):
-        ff.net[0] = FluxGELU(col)  # column-parallel up-proj + tanh-GELU through the site protocol
-    else:
-        up.proj = col  # diffusers' GELU module: proj then gelu, unchanged
-    ff.net[2] = _row(ff.net[2], info)
-
-
-def shard_flux_transformer(
-    model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None
-) -> nn.Module:
-    """Shard `model` (fully loaded on this rank) in place for rank `rank` of `world_size`; returns it.
-
-    Each shard is a copy, so a full weight is freed as soon as the model held its last reference. Raises ValueError when the head count is not divisible by world_size (nothing is changed).
+    Each shard is a copy, so a full weight is freed as soon as the model held its last reference. Raises ValueError
+    when the head count is not divisible by world_size (nothing is changed).
     """
     if tp_info(model) is not None:
         raise RuntimeError(f"model is already sharded ({tp_info(model)})")
@@ -106,16 +64,23 @@ def shard_flux_transformer(
         )
     info = TPInfo(rank, world_size, group)
     if world_size > 1:
+        family = family_of(model)
         with torch.no_grad():
-            for block in model.transformer_blocks:
-                _shard_attention(block.attn, info)
-                _shard_feed_forward(block.ff, info)
-                _shard_feed_forward(block.ff_context, info)
-            for block in model.single_transformer_blocks:
-                _shard_attention(block.attn, info)
-                dim = block.proj_out.in_features - block.proj_mlp.out_features
-                block.proj_mlp = _column(block.proj_mlp, info)
-                block.proj_out = _row(block.proj_out, info, input_blocks=[dim, block.proj_mlp.out_features])
+            for name, layer in list(model.named_modules()):
+                rule = family.tp_rule(name)
+                if rule is None:
+                    continue
+                parent_name, _, attr = name.rpartition(".")
+                parent = model.get_submodule(parent_name)
+                blocks = None if rule.blocks is None else tuple(rule.blocks(parent, layer))
+                style = Column if rule.style == "column" else Row
+                setattr(parent, attr, _shard(layer, style(rank, world_size, group, blocks=blocks)))
+            for name, attn in model.named_modules():
+                if fnmatch.fnmatchcase(name, family.attention_path):
+                    # Processors read the local head count from attn.heads (diffusers' reshapes by head_dim alone).
+                    attn.heads = attn.heads // world_size
+                    if hasattr(attn, "inner_dim"):
+                        attn.inner_dim = attn.inner_dim // world_size
     object.__setattr__(model, TP_ATTR, info)
     return model
 

@@ -26,7 +26,7 @@ from model.form import ServingForm, build_pipeline
 from model.request import GenerationRequest
 
 from .dist import DEFAULT_PORT, DEFAULT_TIMEOUT_S, default_backend, init_tp, shutdown_tp
-from .shard import agree_all_ranks, check_replicas_identical, shard_flux_transformer
+from .shard import agree_all_ranks, check_replicas_identical, shard_transformer
 
 class TPWorker:
     """One rank: `form` is what every rank of the replica builds (model.form.build_pipeline), then shards."""
@@ -81,7 +81,7 @@ class TPWorker:
         def shard(transformer: torch.nn.Module) -> None:
             loaded.append(time.perf_counter())
             check_replicas_identical(transformer, self.ctrl_group)
-            shard_flux_transformer(transformer, self.rank, self.world_size, self.group)
+            shard_transformer(transformer, self.rank, self.world_size, self.group)
 
         pipe = build_pipeline(replace(self.form, device=self.device), shard=shard)
         t2 = loaded[0]
