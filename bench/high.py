@@ -27,7 +27,7 @@ import statistics
 import sys
 import traceback
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 import kernels.switches  # noqa: E402
 from bench.e2e import _sync, pipeline_copy, timed  # noqa: E402
 from bench.kernel_ops import rel  # noqa: E402
+from model.linear import is_fp8  # noqa: E402
 from model.loading import diffusers_reference, load_pipeline  # noqa: E402
 from model.metrics import psnr, ssim  # noqa: E402
 from model.pipeline import FluxServePipeline, GenerationRequest, md5, run_flux_pipeline  # noqa: E402
@@ -181,10 +182,10 @@ def build_variants(ours: FluxServePipeline, variants: list[Variant],
             errors[v.name] = errors[str(key)]
             continue
         pipe = FluxServePipeline(forms[key], source=ours.source)
-        pipe.fused_projections, pipe.fp8 = key[:2]
-        pipe.use(fast_norm=v.fast_norm)
-        pipe.use(attention8=v.attention8)
-        pipe.use(step_cache=v.step_cache)
+        # the converted copy's form, as its converting pipeline recorded it
+        pipe.form = replace(pipe.form, fused_projections=key[0], fp8=key[1])
+        pipe.fp8_layers = sum(is_fp8(m) for m in pipe.transformer.modules())
+        pipe.use(fast_norm=v.fast_norm, attention8=v.attention8, step_cache=v.step_cache)
         if v.cuda_graphs:
             pipe.enable_cuda_graphs()
         if v.compiled:
