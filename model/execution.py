@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -28,10 +28,13 @@ class FirstBlockCache:
     embeddings and the first block run eager, and the blocks after it are their own graph (see `cached_step`).
     """
 
-    def __init__(self, threshold: float) -> None:
+    def __init__(self, threshold: float, agree: Callable[[bool], bool] | None = None) -> None:
         if not threshold >= 0:
             raise ValueError(f"step cache threshold must be >= 0, got {threshold!r}")
         self.threshold = float(threshold)
+        # TP ranks: one decision for all (a step is skipped only where every rank would skip it), so the ranks never
+        # run different blocks and meet at different collectives.
+        self.agree = agree
         self.computed = 0  # steps that ran every block
         self.skipped = 0  # steps that reused the cached residual
         # (first-block residual, residual of every later block) of the last computed step
@@ -42,7 +45,8 @@ class FirstBlockCache:
             return False
         prev = self._last[0]
         change = (first_residual - prev).abs().mean() / prev.abs().mean().clamp_min(1e-12)
-        return bool(change < self.threshold)
+        skip = bool(change < self.threshold)
+        return skip if self.agree is None else self.agree(skip)
 
     def skip(self, after_first: torch.Tensor) -> torch.Tensor:
         """A skipped step's image hidden states: the first block's output plus the cached rest residual."""

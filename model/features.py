@@ -77,11 +77,11 @@ FEATURES: tuple[Feature, ...] = (
             exact=False, scope="batch", where="pool", devices=("cuda",), dtypes=_HALF, high_default=True,
             default_with=("cuda_graphs",), site=True),
     Feature("fused_projections", "q/k/v (and the single block's MLP up-projection) as one GEMM each", exact=False,
-            scope="replica", where="pool", high_default=True,
-            tp_refusal="the sharded layers are not converted"),
+            scope="replica", where="pool", high_default=True),
     Feature("fp8", "e4m3 linear layers: per-channel weight and per-row activation scales, torch._scaled_mm",
             exact=False, scope="replica", where="pool", devices=("cuda",), dtypes=("bfloat16",), elsewhere="warn",
-            high_default=True, tp_refusal="the sharded layers are not converted"),
+            high_default=True, tp_refusal="sharded fp8 layers have run on the CPU's eager twins only, not yet on a GPU "
+                                          "at tp > 1"),
     Feature("compile", "the transformer blocks through regional torch.compile, compiled at replica start",
             exact=False, scope="replica", where="pool", tp_refusal="the ranks' collectives are not traced",
             excludes={"fused_projections": _COMPILE_SLOWER, "fp8": _COMPILE_SLOWER, "attention8": _COMPILE_SLOWER,
@@ -90,11 +90,10 @@ FEATURES: tuple[Feature, ...] = (
             scope="replica", where="pool", devices=("cuda",), elsewhere="config",
             tp_refusal="the ranks' collectives are not captured"),
     Feature("step_cache", "First-Block step cache: a step whose first block changed little reuses the rest's "
-            "residual", exact=False, scope="batch", where="pool", option="step_cache_threshold", option_type=float,
-            tp_refusal="every rank would have to take the same skip decision"),
+            "residual", exact=False, scope="batch", where="pool", option="step_cache_threshold", option_type=float),
     Feature("lora", "LoRA adapters loaded once, switched on per batch as requests name them", exact=True,
             scope="batch", where="app", option="loras", option_type=dict,
-            tp_refusal="the adapters are not sharded with their layers",
+            tp_refusal="PEFT wraps plain nn.Linear layers; the sharded layers are not, and adapters are not sharded",
             excludes={"compile": "LoRA under torch.compile is not built yet",
                       "cuda_graphs": "a captured step would replay the adapter set it was captured with; fuse the "
                                      "one adapter (fuse_lora) or turn cuda_graphs off",
@@ -103,7 +102,6 @@ FEATURES: tuple[Feature, ...] = (
                                            "adapter (fuse_lora)"}),
     Feature("fused_lora", "one adapter merged into the weights at start: part of the model, a step costs the base's",
             exact=True, scope="replica", where="app", option="fuse_lora", instead_of="lora",
-            tp_refusal="the adapters are not sharded with their layers",
             excludes={"compile": "LoRA under torch.compile is not built yet"}),
 )
 

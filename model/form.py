@@ -68,20 +68,20 @@ BATCH_DEFAULTS: frozenset[str] = frozenset(f.name for f in FEATURES if f.scope =
 
 
 def build_pipeline(form: ServingForm, shard: Callable[[torch.nn.Module], None] | None = None) -> FluxServePipeline:
-    """Load -> shard -> adapters -> convert -> warm: a pipeline serving `form` (its `form` records what was built:
+    """Load -> adapters -> shard -> convert -> warm: a pipeline serving `form` (its `form` records what was built:
     fp8 where it cannot run is refused with a warning and bf16 kept). `shard(transformer)`: a TP rank's in-place
-    sharding of the loaded transformer."""
+    sharding of the loaded transformer (after a fused adapter is merged into its weights, before conversion)."""
     from model.loading import load_pipeline
     from model.request import torch_dtype
 
     t0 = time.perf_counter()
     pipe = load_pipeline(form.model, device=form.device, dtype=torch_dtype(form.dtype))
-    if shard is not None:
-        shard(pipe.transformer)
     if form.loras:
         pipe.load_loras(dict(form.loras))
         if form.fused_lora is not None:
             pipe.fuse_lora(*form.fused_lora)
+    if shard is not None:
+        shard(pipe.transformer)
     pipe.use(**{name: getattr(form, name) for name in BATCH_DEFAULTS})
     fp8 = form.fp8
     if fp8:

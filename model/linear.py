@@ -18,7 +18,7 @@ because TP=1's GEMM also accumulates the bias before its single rounding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -246,10 +246,21 @@ class Linear(nn.Module):
     def from_linears(cls, linears: Sequence[nn.Module], quant: Plain = BF16,
                      parallel: Replicated = REPLICATED) -> Linear:
         """One layer computing `cat([l(x) for l in linears], -1)` (a single one: the same layer), quantized and
-        sharded as asked."""
+        sharded as asked. Column-parallel layers of one group stack into one column-parallel layer whose blocks
+        are theirs: each rank keeps its own share of each (fused q/k/v at tp > 1: this rank's heads of all three)."""
         first = linears[0]
         if any(is_fp8(lin) for lin in linears):
             raise ValueError("fp8 layers cannot be stacked: fuse projections before quantizing")
+        styles = {lin.parallel if isinstance(lin, Linear) else REPLICATED for lin in linears}
+        if len(linears) > 1 and styles != {REPLICATED}:
+            (style,) = styles if len(styles) == 1 else (None,)
+            if not isinstance(style, Column) or style.gather_output or style.blocks or parallel != REPLICATED:
+                raise ValueError(f"only column-parallel layers of one group stack (got {sorted(map(str, styles))})")
+            local = Linear.from_linears([Linear(lin.weight.shape[1], lin.weight.shape[0], lin._tensors())
+                                         for lin in linears], quant)
+            blocks = tuple(lin.out_features for lin in linears)
+            return Linear(first.in_features, sum(blocks), local._tensors(), quant=quant,
+                          parallel=replace(style, blocks=blocks), requires_grad=first.weight.requires_grad)
         if any(lin.in_features != first.in_features for lin in linears):
             raise ValueError("stacked linears must share in_features")
         with_bias = [lin.bias is not None for lin in linears]

@@ -128,8 +128,9 @@ def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
                  agree: Callable[[bool], bool] | None = None) -> Iterator[TierReport]:
     """Switch `transformer` to `plan` for the block; back to lossless after it (also on errors and cancellation).
 
-    agree: called once with this process's "every site mounted" and returns the verdict of all ranks (TP: a
-    collective), so that a refusal anywhere unmounts everywhere.
+    agree: called with this process's verdict and returns all ranks' (TP: a collective): once for "every GELU site
+    mounts", so that a refusal anywhere unmounts everywhere, and at each step-cache decision, so that every rank
+    skips the same steps.
     """
     report = TierReport()
     runners = graphs = None
@@ -158,7 +159,7 @@ def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
             step_graphs.mode = (plan.quality, report.mounted_sites, report.fast_norm_sites, report.attention8_sites)
             graphs = step_graphs
         if plan.step_cache is not None:
-            report.step_cache = FirstBlockCache(plan.step_cache)
+            report.step_cache = FirstBlockCache(plan.step_cache, agree=agree)
         with running(transformer, block_runners=runners, step_graphs=graphs, step_cache=report.step_cache):
             yield report
     finally:

@@ -274,7 +274,7 @@ def test_start_takes_explicit_threads_and_gpu_bundles(monkeypatch) -> None:
     options, kwargs = fake.started[1]
     assert (options["num_cpus"], options["num_gpus"]) == (4, 1)
     assert options["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "2" and kwargs["cpu_threads"] == 2
-    assert (kwargs["backend"], kwargs["device"]) == ("nccl", "cuda")
+    assert (kwargs["backend"], kwargs["form"].device) == ("nccl", "cuda")
 
 
 def test_start_refuses_a_placement_group_of_the_wrong_size(monkeypatch) -> None:

@@ -76,8 +76,8 @@ def _inputs() -> dict:
                 txt_ids=torch.zeros(5, 3), return_dict=False)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused_projections"])
-def test_a_whole_transformer_sharded_by_the_plan_matches_tp_1(collectives, fused: bool) -> None:  # noqa: F811
+@pytest.mark.parametrize("fused", [False, True, "after"], ids=["unfused", "fused_projections", "fused_after_sharding"])
+def test_a_whole_transformer_sharded_by_the_plan_matches_tp_1(collectives, fused) -> None:  # noqa: F811
     """Two ranks (threads, fake collectives) run the plan-sharded transformer; their outputs equal each other and
     tp 1's within fp32 reduction order. With fused projections each rank holds its own heads of q, k and v: a plan
     that cut the stacked rows in halves would mix q of some heads with k of others and miss by far more."""
@@ -92,12 +92,14 @@ def test_a_whole_transformer_sharded_by_the_plan_matches_tp_1(collectives, fused
     for _ in range(2):  # built here: threads would share the random generator while initialising
         torch.manual_seed(0)
         models.append(FluxTransformer(**SMALL).eval())
-        if fused:
+        if fused is True:
             FAMILY.fuse_projections(models[-1])
 
     def rank(r: int, g) -> torch.Tensor:
         model = models[r]
         shard_transformer(model, r, 2, g)
+        if fused == "after":  # as a TP rank builds: shard, then convert
+            FAMILY.fuse_projections(model)
         styles = {type(m.parallel) for m in model.modules() if isinstance(m, Linear)}
         assert styles == {Column, Row} and model.transformer_blocks[0].attn.heads == 2
         with torch.no_grad():
@@ -106,3 +108,35 @@ def test_a_whole_transformer_sharded_by_the_plan_matches_tp_1(collectives, fused
     out0, out1 = _spmd(2, rank)
     assert torch.equal(out0, out1)
     assert torch.allclose(out0, expected, rtol=1e-5, atol=1e-5), (out0 - expected).abs().max()
+
+
+def test_fp8_layers_convert_after_sharding_and_ranks_agree(collectives, monkeypatch) -> None:  # noqa: F811
+    """A TP rank quantizes its shards (the CPU runs the fp8 ops' eager twins): both ranks give the same output, and
+    it is as close to tp 1's fp8 model as fp8 is to the unquantized one (a row-parallel layer quantizes each rank's
+    input columns per row, so tp 2 is not bit-equal to tp 1)."""
+    import model.flux1 as flux1
+    from kernels.fp8 import shape_refusal
+
+    monkeypatch.setattr(flux1, "fp8_refusal", lambda device, dtype: None)
+    monkeypatch.setattr(flux1, "convertible", lambda lin: shape_refusal(lin.in_features, lin.out_features))
+    big = {**SMALL, "attention_head_dim": 16, "axes_dims_rope": (4, 6, 6)}  # fp8 GEMMs: widths divisible by 16
+    models = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        models.append(FluxTransformer(**big).eval())
+    with torch.no_grad():
+        exact = models[2](**_inputs())[0]
+        FAMILY.quantize_fp8(models[2])
+        tp1 = models[2](**_inputs())[0]
+
+    def rank(r: int, g) -> torch.Tensor:
+        shard_transformer(models[r], r, 2, g)
+        FAMILY.quantize_fp8(models[r])
+        assert all(m.quant.fp8 for m in models[r].modules() if isinstance(m, Linear) and m.parallel.world > 1)
+        with torch.no_grad():
+            return models[r](**_inputs())[0]
+
+    out0, out1 = _spmd(2, rank)
+    assert torch.equal(out0, out1)
+    fp8_error = (tp1 - exact).abs().max()
+    assert 0 < (out0 - tp1).abs().max() <= fp8_error, ((out0 - tp1).abs().max(), fp8_error)

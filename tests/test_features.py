@@ -102,7 +102,7 @@ def test_device_bound_options_are_refused_elsewhere() -> None:
     ({}, {"fast_norm", "fp8", "fused_projections"}),  # attention8 waits for cuda_graphs
     ({"device": "cuda", "pools": {"high": {"cuda_graphs": True}}},
      {"fast_norm", "fp8", "fused_projections", "attention8", "cuda_graphs"}),
-    ({"pools": {"high": {"tp": 2}}}, {"fast_norm"}),  # the converted form is refused at tp > 1
+    ({"pools": {"high": {"tp": 2}}}, {"fast_norm", "fused_projections"}),  # fp8 is refused at tp > 1
     ({"pools": {"high": {"compile": True}}}, {"fast_norm", "compile"}),
     ({"loras": {"ink": "/x"}}, {"fast_norm"}),  # per-request adapters keep the linears bf16
     ({"loras": {"ink": "/x"}, "fuse_lora": True, "device": "cuda", "pools": {"high": {"cuda_graphs": True}}},

@@ -290,3 +290,20 @@ def test_a_stacked_layer_computes_the_concatenation() -> None:
         L.Linear.from_linears([_linear(8, 4), _linear(6, 4)])
     with pytest.raises(ValueError, match="a bias or none"):
         L.Linear.from_linears([_linear(8, 4), _linear(8, 4, bias=False)])
+
+
+def test_column_shards_stack_into_the_block_sharded_stack(collectives) -> None:
+    """Fusing q/k/v after sharding (a TP rank converts after it shards) holds what sharding the fused layer by its
+    blocks holds: each rank its rows of each part. Other styles do not stack."""
+    parts = [_linear(8, 12, seed=i) for i in range(3)]
+
+    def rank(r: int, g: _Rank) -> tuple:
+        after = L.Linear.from_linears([_col(p, r, 2, g) for p in parts])
+        before = L.Linear.from_linears(parts).sharded(L.Column(r, 2, g, blocks=(12, 12, 12)))
+        return after, before
+
+    for after, before in _spmd(2, rank):
+        assert after.parallel == before.parallel and after.out_features == before.out_features == 36
+        assert torch.equal(after.weight, before.weight) and torch.equal(after.bias, before.bias)
+    with pytest.raises(ValueError, match="only column-parallel layers of one group stack"):
+        L.Linear.from_linears([_row(parts[0], 0, 1), _col(parts[1], 0, 2)])

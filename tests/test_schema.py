@@ -112,13 +112,9 @@ def test_a_request_step_cache_reaches_its_jobs_and_splits_batches() -> None:
     assert cached[0].batch_key() != plain.batch_key()
     with pytest.raises(ValueError, match="all requests of a batch must share step_cache"):
         validate_batch([cached[0], plain])
-    tp2 = AppArgs.parse({"pools": {"high": {"tp": 2}}})
-    with pytest.raises(BadRequest) as exc:
-        _validate(tp2, quality="high", step_cache=0.1)
-    assert exc.value.param == "step_cache" and exc.value.message == (
-        "step_cache is not supported with tp > 1 (got tp=2): every rank would have to take the same skip decision "
-        "(this request asks for quality 'high')")
-    assert _validate(tp2, quality="high").jobs[0].step_cache is None  # without the field a tp 2 pool serves it
+    tp2 = AppArgs.parse({"pools": {"high": {"tp": 2}}})  # the ranks agree on each skip (tests/test_tp_high.py)
+    assert _validate(tp2, quality="high", step_cache=0.1).jobs[0].step_cache == 0.1
+    assert _validate(tp2, quality="high").jobs[0].step_cache is None
 
 
 def test_defaults_come_from_the_config() -> None:

@@ -389,7 +389,6 @@ BAD = [
     ({"prompt": "x", "response_format": "link"}, "response_format", "response_format: Input should be"),
     ({"prompt": "x", "colour": "red"}, "colour", "unknown field 'colour'"),
     ({"prompt": "x", "step_cache": 0.1}, "step_cache", "step_cache is for the high pool only"),
-    ({"prompt": "x", "quality": "high", "step_cache": 0.1}, "step_cache", "step_cache is not supported with tp > 1"),
     ({"prompt": "x", "quality": "high", "step_cache": 1.5}, "step_cache", "step_cache must be a number in [0, 1)"),
     ({"n": 1}, "prompt", "missing required field 'prompt'"),
     (["prompt"], None, "request body must be a JSON object"),

@@ -42,6 +42,9 @@ def _shard(layer: nn.Module, parallel: Column | Row) -> Linear:
     """This rank's share of a plain or already converted linear layer (weights and scales alike)."""
     if isinstance(layer, Linear):
         return layer.sharded(parallel)
+    if type(layer) is not nn.Linear:  # e.g. a PEFT adapter layer: its adapter would be silently dropped
+        raise TypeError(f"cannot shard a {type(layer).__module__}.{type(layer).__qualname__}: only plain linear "
+                        "layers shard (merge adapters first)")
     return Linear.from_linears([layer], parallel=parallel)
 
 

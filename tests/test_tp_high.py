@@ -1,0 +1,122 @@
+"""The high tier at tp 2 on the CPU (gloo, two spawned ranks): a TP rank builds the same form as a tp 1 replica
+(`model.form.build_pipeline`) and shards it; fused projections, a fused adapter and the step cache run on it.
+
+Checked against a tp 1 pipeline built from the same form in this process: both ranks give the same latents and
+skip the same steps (the cache's decision is agreed over the control group), and the image stays within fp32's
+reduction-order noise of tp 1 (a row-parallel layer sums per-rank partial products)."""
+
+from __future__ import annotations
+
+import math
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+
+from tests.test_tp import JOIN_TIMEOUT_S, spawn_ranks
+
+WORLD = 2
+PSNR_MIN_DB = 40.0
+STEPS = 6
+
+
+def _form(tiny_path: str, lora: str):
+    from model.form import ServingForm
+
+    return ServingForm(model=str(tiny_path), device="cpu", dtype="float32", fused_projections=True,
+                       loras=(("ink", lora),), fused_lora=("ink", 1.0))
+
+
+def _requests(step_cache: float):
+    from model.pipeline import GenerationRequest
+
+    return [GenerationRequest("a red fox in the snow", height=64, width=64, steps=STEPS, seed=5, quality="high",
+                              step_cache=step_cache)]
+
+
+def _rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None:
+    import torch
+
+    res: dict = {}
+    try:
+        torch.set_num_threads(1)  # two ranks on two cores
+        from tp.shard import agree_all_ranks
+        from tp.worker import TPWorker
+
+        worker = TPWorker(rank, WORLD, _form(tiny_path, os.path.join(outdir, "ink.safetensors")), port=port,
+                          backend="gloo", timeout_s=60.0)
+        res["setup"] = worker.setup()
+        res["form"] = worker.pipe.form
+        agree = lambda ok: agree_all_ranks(ok, worker.ctrl_group)  # noqa: E731
+        for threshold in (0.9, 0.0):
+            (r,) = worker.pipe.generate(_requests(threshold), agree=agree)
+            res[threshold] = (r.latents, r.png, r.timings.get("cached_steps"), r.ran)
+        worker.shutdown()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        res["error"] = traceback.format_exc()
+    torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def high_run(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from model.loading import load_pipeline
+    from tests._inputs import write_random_lora
+
+    outdir = tmp_path_factory.mktemp("tp-high")
+    write_random_lora(load_pipeline(str(tiny_path)).transformer, outdir / "ink.safetensors", 3)
+    return {"ranks": spawn_ranks(_rank_main, WORLD, tiny_path, outdir, JOIN_TIMEOUT_S), "outdir": outdir}
+
+
+def _psnr(a: bytes, b: bytes) -> float:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    x, y = (np.asarray(Image.open(io.BytesIO(p)).convert("RGB")).astype(np.float64) for p in (a, b))
+    mse = float(np.mean((x - y) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def test_both_ranks_agree_and_match_tp_1(high_run: dict, tiny_path: Path) -> None:
+    import torch
+
+    from model.form import build_pipeline
+
+    ranks = high_run["ranks"]
+    for r in range(WORLD):
+        assert ranks[r]["setup"]["heads_per_rank"] == 2
+        assert ranks[r]["form"].techniques() == {"fused_projections", "fused_lora"}
+    tp1 = build_pipeline(_form(str(tiny_path), str(high_run["outdir"] / "ink.safetensors")))
+    for threshold in (0.9, 0.0):
+        (ref,) = tp1.generate(_requests(threshold))
+        lat0, png0, cached0, ran0 = ranks[0][threshold]
+        lat1, png1, cached1, ran1 = ranks[1][threshold]
+        assert torch.equal(lat0, lat1) and png0 == png1 and cached0 == cached1  # one decision for both ranks
+        assert cached0 == ref.timings.get("cached_steps")
+        assert bool(cached0) == (threshold > 0)  # the loose threshold skips on these random weights; 0 runs no cache
+        assert ran0.fused_projections and ran0.fused_adapter == ("ink", 1.0) and ran0.step_cache == (threshold or None)
+        scale = ref.latents.abs().max()
+        assert (lat0 - ref.latents).abs().max() <= 1e-4 * scale, (lat0 - ref.latents).abs().max()
+        assert _psnr(png0, ref.png) >= PSNR_MIN_DB
+
+
+def test_the_step_cache_skips_only_where_every_rank_would() -> None:
+    """The cache hands its local verdict to `agree` and follows the answer: a rank that would skip does not when
+    another would not (else the ranks would run different blocks and meet at different collectives)."""
+    import torch
+
+    from model.execution import FirstBlockCache
+
+    asked = []
+    cache = FirstBlockCache(0.5, agree=lambda ok: asked.append(ok) or False)
+    residual = torch.ones(2, 3)
+    assert not cache.can_skip(residual) and asked == []  # nothing cached yet: no step can skip, nothing to agree
+    cache.store(residual, torch.zeros(2, 3))
+    assert not cache.can_skip(residual * 1.01) and asked == [True]  # would skip here; another rank would not
+    assert FirstBlockCache(0.5, agree=lambda ok: ok).can_skip  # (the tp 1 path: no hook)
+    alone = FirstBlockCache(0.5)
+    alone.store(residual, torch.zeros(2, 3))
+    assert alone.can_skip(residual * 1.01)
