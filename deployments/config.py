@@ -206,7 +206,7 @@ class AppArgs:
         return asdict(self)
 
     def form(self, pool: str) -> ServingForm:
-        """What a replica of `pool` is built into (model.form.build_pipeline), every rank alike."""
+        """What a replica of `pool` is built into (model.build.build_pipeline), every rank alike."""
         p = self.pools[pool]
         sizes, batch_sizes = warm_plan(self, pool)
         fused = next(iter(self.loras)) if self.fuse_lora else None

@@ -23,7 +23,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import AppArgs, PoolArgs
 from deployments.errors import PoolUnavailable
-from model.form import ServingForm, build_pipeline, form_report
+from model.build import build_pipeline, form_report
+from model.form import ServingForm
 from model.pipeline import GenerationCancelled, GenerationResult
 from model.preview import PreviewSink
 from model.request import GenerationRequest
@@ -70,7 +71,7 @@ def _assigned_cpus() -> int:
 
 
 class LocalEngine:
-    """tp == 1: the pipeline in this process, built into the pool's form (model.form.build_pipeline)."""
+    """tp == 1: the pipeline in this process, built into the pool's form (model.build.build_pipeline)."""
 
     def __init__(self, args: AppArgs, pool: str) -> None:
         import torch
@@ -128,7 +129,7 @@ class TPEngine:
     def __init__(self, args: AppArgs, pool: PoolArgs, form: ServingForm) -> None:
         self.args = args
         self.pool = pool
-        self.form = form  # what every rank builds (model.form.build_pipeline), then shards
+        self.form = form  # what every rank builds (model.build.build_pipeline), then shards
         self.workers: list[Any] = []
         self._names: list[str] = []
         self.broken: str | None = None  # set on the first rank failure; the replica is then unhealthy

@@ -48,7 +48,10 @@ MODULES: dict[str, list[str]] = {
                         "tests/test_kernels_gpu.py", "tests/test_pipeline_gpu.py"],
     "kernels/gelu.py": ["tests/test_kernels.py", "tests/test_tiers.py", "tests/test_flux.py", "tests/test_kernels_gpu.py",
                         "tests/test_pipeline_gpu.py"],
-    "model/linear.py": ["tests/test_linear.py"],  # tests/test_tp.py runs the layers in spawned ranks, out of reach
+    # tests/test_tp.py runs the layers in spawned ranks, out of reach; test_linear.py runs them in threads
+    "model/linear.py": ["tests/test_linear.py", "tests/test_family.py"],
+    "model/features.py": ["tests/test_features.py", "tests/test_tiers.py"],
+    "kernels/sites.py": ["tests/test_sites.py", "tests/test_tiers.py"],
 }
 
 # Lines no test should pin: log calls (their wording is for people) and type-checking-only imports.

@@ -176,7 +176,7 @@ def test_the_builder_warms_up_the_pools_compile_plan(monkeypatch) -> None:
     """A compiled pool's form carries every size and batch size it can be asked for, and `build_pipeline` compiles
     for all of them before the replica serves (a wrong plan would leave a request to pay compilation)."""
     from model import loading
-    from model.form import COMPILE_WARMUP_STEPS, build_pipeline
+    from model.build import COMPILE_WARMUP_STEPS, build_pipeline
 
     calls = []
 

@@ -1080,7 +1080,6 @@ def test_a_requests_step_cache_overrides_the_pools(tiny_path: Path, capsys: pyte
     ({"pools": {"lossless": {"step_cache_threshold": 0.1}}}, "high pool only"),
     ({"pools": {"high": {"step_cache_threshold": 1.5}}}, r"\[0, 1\)"),
     ({"pools": {"high": {"step_cache_threshold": True}}}, r"\[0, 1\)"),
-    ({"pools": {"high": {"step_cache_threshold": 0.1, "tp": 2, "fp8": False, "fused_projections": False}}}, "tp > 1"),
 ])
 def test_bad_step_cache_options_are_config_errors(raw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -1,5 +1,5 @@
 """The high tier at tp 2 on the CPU (gloo, two spawned ranks): a TP rank builds the same form as a tp 1 replica
-(`model.form.build_pipeline`) and shards it; fused projections, a fused adapter and the step cache run on it.
+(`model.build.build_pipeline`) and shards it; fused projections, a fused adapter and the step cache run on it.
 
 Checked against a tp 1 pipeline built from the same form in this process: both ranks give the same latents and
 skip the same steps (the cache's decision is agreed over the control group), and the image stays within fp32's
@@ -83,7 +83,7 @@ def _psnr(a: bytes, b: bytes) -> float:
 def test_both_ranks_agree_and_match_tp_1(high_run: dict, tiny_path: Path) -> None:
     import torch
 
-    from model.form import build_pipeline
+    from model.build import build_pipeline
 
     ranks = high_run["ranks"]
     for r in range(WORLD):

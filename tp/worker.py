@@ -22,14 +22,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from model.form import ServingForm, build_pipeline
+from model.build import build_pipeline
+from model.form import ServingForm
 from model.request import GenerationRequest
 
 from .dist import DEFAULT_PORT, DEFAULT_TIMEOUT_S, default_backend, init_tp, shutdown_tp
 from .shard import agree_all_ranks, check_replicas_identical, shard_transformer
 
 class TPWorker:
-    """One rank: `form` is what every rank of the replica builds (model.form.build_pipeline), then shards."""
+    """One rank: `form` is what every rank of the replica builds (model.build.build_pipeline), then shards."""
 
     def __init__(
         self,
