@@ -36,6 +36,10 @@ _HALF = (torch.float16, torch.bfloat16)
 _FP8_NORM_ATTR = "_fluxserve_norm_fp8"
 
 
+def _device_supported(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
 def modulate_eager(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """diffusers' AdaLN modulation, operand for operand."""
     return normed * (1 + scale[:, None]) + shift[:, None]
@@ -43,7 +47,7 @@ def modulate_eager(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tenso
 
 def _signature(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> Signature | None:
     """The gate key, or None where no kernel applies (as `kernels.rope._signature`; None inside a trace too)."""
-    if torch.compiler.is_compiling() or normed.device.type != "cuda" or normed.dim() != 3:
+    if torch.compiler.is_compiling() or not _device_supported(normed.device) or normed.dim() != 3:
         return None
     if normed.dtype not in _FLOATS:
         return None

@@ -22,6 +22,10 @@ RMS_GATE = ExactGate("rms_rope_cat")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _device_supported(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
 def apply_rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """diffusers' `apply_rotary_emb(x, (cos, sin), sequence_dim=1)`: x [B, S, H, D], tables [S, D].
 
@@ -42,7 +46,7 @@ def rope_cat_eager(txt: torch.Tensor | None, img: torch.Tensor, cos: torch.Tenso
 def _signature(txt: torch.Tensor | None, img: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Signature | None:
     """The gate key, or None where the kernel does not apply (CPU, autograd, odd layouts, inside a torch.compile
     trace: there the eager twin is traced, and reading data pointers would break the graph)."""
-    if torch.compiler.is_compiling() or img.device.type != "cuda" or img.dim() != 4 or img.dtype not in _FLOATS:
+    if torch.compiler.is_compiling() or not _device_supported(img.device) or img.dim() != 4 or img.dtype not in _FLOATS:
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (txt, img, cos, sin)):
         return None

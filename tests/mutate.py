@@ -42,9 +42,11 @@ MODULES: dict[str, list[str]] = {
     "kernels/fp8.py": ["tests/test_fp8.py"],
     "kernels/residual.py": ["tests/test_kernels.py", "tests/test_kernels_gpu.py"],
     # The kernels' CUDA branches run only on a GPU host (FLUXSERVE_MUTATE_GPU=1, the GPU tests included).
-    "kernels/modulate.py": ["tests/test_kernels.py", "tests/test_flux_lossless.py", "tests/test_tiers.py",
+    "kernels/modulate.py": ["tests/test_guards.py", "tests/test_kernels.py", "tests/test_flux_lossless.py",
+                            "tests/test_tiers.py",
                             "tests/test_fp8.py", "tests/test_kernels_gpu.py", "tests/test_pipeline_gpu.py"],
-    "kernels/rope.py": ["tests/test_kernels.py", "tests/test_flux_lossless.py", "tests/test_attention.py",
+    "kernels/rope.py": ["tests/test_guards.py", "tests/test_kernels.py", "tests/test_flux_lossless.py",
+                        "tests/test_attention.py",
                         "tests/test_kernels_gpu.py", "tests/test_pipeline_gpu.py"],
     "kernels/gelu.py": ["tests/test_kernels.py", "tests/test_tiers.py", "tests/test_flux.py", "tests/test_kernels_gpu.py",
                         "tests/test_pipeline_gpu.py"],
