@@ -254,7 +254,7 @@ GELU_INTO_GATE = ExactGate("gelu_tanh_into")
 
 
 def _gelu_into_signature(h: torch.Tensor, out: torch.Tensor) -> Signature | None:
-    if h.device.type != "cuda" or h.dtype not in (torch.float16, torch.bfloat16, torch.float32) or h.dim() < 2:
+    if not _device_supported(h.device) or h.dtype not in (torch.float16, torch.bfloat16, torch.float32) or h.dim() < 2:
         return None
     if torch.is_grad_enabled() and h.requires_grad:
         return None

@@ -201,3 +201,43 @@ def test_modulate_guard_accepts(modulate_as_cuda, monkeypatch) -> None:
                                     torch.randn(1, 16384, dtype=torch.float16))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert modulate._signature(**_mod_args()) is None
+
+
+# -- kernels/gelu.py: the GELU written into a column slice ----------------------------------------------------------
+
+import kernels.gelu as gelu  # noqa: E402
+
+
+def _slice(rows: tuple[int, ...], n: int, width: int) -> torch.Tensor:
+    return torch.empty(*rows, width)[..., width - n:]  # the last n columns of a contiguous buffer
+
+
+GELU_REFUSALS: list[tuple[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]]] = [
+    ("float64", lambda: (torch.randn(4, 8, dtype=torch.float64), torch.empty(4, 8, dtype=torch.float64))),
+    ("1-D", lambda: (torch.randn(8), torch.empty(8))),
+    ("shape differs", lambda: (torch.randn(4, 8), torch.empty(4, 9))),
+    ("dtype differs", lambda: (torch.randn(4, 8), torch.empty(4, 8, dtype=torch.float16))),
+    ("input not contiguous", lambda: (torch.randn(8, 4).t(), torch.empty(4, 8))),
+    ("out columns not unit-strided", lambda: (torch.randn(4, 8), torch.empty(8, 4).t())),
+    ("out rows unevenly strided", lambda: (torch.randn(2, 3, 8), torch.empty(2, 4, 8)[:, :3])),
+]
+
+
+@pytest.mark.parametrize("case", GELU_REFUSALS, ids=[c[0] for c in GELU_REFUSALS])
+def test_gelu_into_guard_refuses(monkeypatch, case) -> None:
+    monkeypatch.setattr(gelu, "_device_supported", lambda device: True)
+    assert gelu._gelu_into_signature(*case[1]()) is None
+
+
+def test_gelu_into_guard_accepts_column_slices(monkeypatch) -> None:
+    monkeypatch.setattr(gelu, "_device_supported", lambda device: True)
+    for rows in ((4,), (2, 3)):
+        h = torch.randn(*rows, 8)
+        assert gelu._gelu_into_signature(h, _slice(rows, 8, 24)) is not None  # a slice of a wider buffer
+        assert gelu._gelu_into_signature(h, torch.empty(*rows, 8)) is not None
+    h = torch.randn(4, 8, requires_grad=True)
+    assert gelu._gelu_into_signature(h, torch.empty(4, 8)) is None
+    with torch.no_grad():
+        assert gelu._gelu_into_signature(h, torch.empty(4, 8)) is not None
+    monkeypatch.setattr(gelu, "_device_supported", lambda device: False)
+    assert gelu._gelu_into_signature(torch.randn(4, 8), torch.empty(4, 8)) is None
