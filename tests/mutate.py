@@ -83,7 +83,7 @@ def _config(module: str, tests: list[str]) -> str:
             # torch.compile cannot trace mutmut's trampolines: compiled tests fail in its stats run, so they are out
             f"pytest_add_cli_args_test_selection={lines([*tests, '-k', os.environ.get('FLUXSERVE_MUTATE_K', 'not compile')])}\n"
             "pytest_add_cli_args=\n    -p\n    no:cacheprovider\n    -q\n"
-            f"also_copy={lines(others)}\n"
+            f"also_copy={lines([*others, 'README.md'])}\n"  # (tests/test_features.py reads its table)
             f"do_not_mutate_patterns={lines(IGNORED_LINES)}\n"
             # torch and Ray are not safe to fork after their setup: workers fork from a server that only imported
             "process_isolation=forkserver\n"

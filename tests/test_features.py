@@ -145,3 +145,28 @@ def test_the_cli_prints_the_table() -> None:
     import json
 
     assert [row["name"] for row in json.loads(done.stdout)] == [f.name for f in FEATURES]
+
+
+def test_lookups_and_where_a_technique_runs() -> None:
+    """`feature` names the table on a typo; `runs_on` takes "cuda:N" as cuda and checks the dtype too; a device-bound
+    option accepts an indexed CUDA device."""
+    with pytest.raises(KeyError) as exc:
+        feature("fp9")
+    assert "unknown technique 'fp9'" in str(exc.value) and "'fp8'" in str(exc.value)
+    assert feature("fast_norm").runs_on("cuda:1", "bfloat16") and feature("fast_norm").runs_on("cuda", "float16")
+    assert not feature("fast_norm").runs_on("cuda", "float32") and not feature("fast_norm").runs_on("cpu", "bfloat16")
+    assert feature("fp8").runs_on("cuda", "bfloat16") and not feature("fp8").runs_on("cuda", "float16")
+    assert feature("step_cache").runs_on("cpu", "float32")
+    assert AppArgs.parse({"device": "cuda:1", "pools": {"lossless": {"cuda_graphs": True}}}).pools["lossless"].cuda_graphs
+
+
+def test_the_json_listing_carries_every_rule() -> None:
+    rows = {row["name"]: row for row in features.as_dicts()}
+    assert list(rows) == [f.name for f in FEATURES]
+    assert rows["fp8"] == {"name": "fp8", "summary": feature("fp8").summary, "exact": False, "scope": "replica",
+                           "config": "fp8", "devices": ["cuda"], "dtypes": ["bfloat16"], "tp": False,
+                           "tp_refusal": feature("fp8").tp_refusal, "high_default": True, "default_with": [],
+                           "excludes": ["compile", "gelu_sites", "lora"]}
+    assert rows["step_cache"]["config"] == "step_cache_threshold" and rows["gelu_sites"]["config"] is None
+    assert rows["attention8"]["default_with"] == ["cuda_graphs"] and rows["cuda_graphs"]["exact"] is True
+    assert rows["fused_projections"]["tp"] is True and rows["fused_projections"]["tp_refusal"] is None
