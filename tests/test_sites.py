@@ -75,3 +75,21 @@ def test_a_tier_is_applied_and_restored_in_one_walk_each(monkeypatch) -> None:
 @pytest.mark.parametrize("group", ["gelu_sites", "fast_norm", "attention8"])
 def test_the_transformer_marks_every_site_group(group: str) -> None:
     assert sum(1 for _, _, k in sites.iter_sites(FluxTransformer(**SMALL)) if sites.group_of(k) == group) > 0
+
+
+def test_site_answers_are_booleans_and_absent_things_are_fine() -> None:
+    """`on` answers False (not None) for an off, unknown or unmarked site; unmarking what is not marked and switching
+    a group no module has are no-ops; a kind's name after its group may itself hold a colon."""
+    root = _tree()
+    assert sites.on(root[0], "a") is False and sites.on(root[0], "b:left") is False
+    assert sites.on(nn.Linear(1, 1), "a") is False
+    sites.switch(root, {"a": True})
+    sites.switch(root, {"a": False})
+    assert sites.on(root[0], "a") is False
+    assert sites.marked(root[1], "b:left") and not sites.marked(root[0], "b:left") and not sites.marked(nn.Linear(1, 1), "a")
+    sites.unmark(root[0], "never:marked")
+    sites.unmark(nn.Linear(1, 1), "a")
+    assert sites.switch(root, {"absent": True}).on == {"absent": []}
+    assert sites.switch(root, {"absent": True}, {"absent": lambda m, k: (True, "ok")}).on == {"absent": []}
+    sites.mark(root[2], "c:x:y")
+    assert ("2.x:y", "c:x:y") in [(n, k) for n, _, k in sites.iter_sites(root)]
