@@ -252,7 +252,7 @@ class Linear(nn.Module):
         if any(is_fp8(lin) for lin in linears):
             raise ValueError("fp8 layers cannot be stacked: fuse projections before quantizing")
         styles = {lin.parallel if isinstance(lin, Linear) else REPLICATED for lin in linears}
-        if len(linears) > 1 and styles != {REPLICATED}:
+        if styles != {REPLICATED}:
             (style,) = styles if len(styles) == 1 else (None,)
             if not isinstance(style, Column) or style.gather_output or style.blocks or parallel != REPLICATED:
                 raise ValueError(f"only column-parallel layers of one group stack (got {sorted(map(str, styles))})")

@@ -307,3 +307,57 @@ def test_column_shards_stack_into_the_block_sharded_stack(collectives) -> None:
         assert torch.equal(after.weight, before.weight) and torch.equal(after.bias, before.bias)
     with pytest.raises(ValueError, match="only column-parallel layers of one group stack"):
         L.Linear.from_linears([_row(parts[0], 0, 1), _col(parts[1], 0, 2)])
+
+
+def test_layer_form_parameters_buffers_and_repr() -> None:
+    """What a layer registers (the fp8 scale a buffer, never a parameter; a bias-free layer's bias None; nothing
+    trainable unless asked) and how it names itself, style and blocks included."""
+    w = torch.randn(4, 8)
+    plain = L.Linear(8, 4, {"weight": w})
+    assert plain.bias is None and not plain.weight.requires_grad and repr(plain) == (
+        "Linear(in_features=8, out_features=4, bias=False, bf16)")
+    assert torch.equal(plain.dequantized_weight(), w)
+    fp8 = L.Linear.from_linears([_linear(8, 16, dtype=torch.float32)], quant=L.FP8_WEIGHT_ONLY)
+    assert "weight_scale" in dict(fp8.named_buffers()) and "weight_scale" not in dict(fp8.named_parameters())
+    assert repr(fp8) == "Linear(in_features=8, out_features=16, bias=True, fp8 weight-only)"
+    col = L.Linear.from_linears([_linear(8, 12)], parallel=L.Column(1, 2, blocks=(4, 8), gather_output=True))
+    assert repr(col) == "Linear(in_features=8, out_features=12, bias=True, bf16, column rank 1/2 blocks [4, 8] gathered)"
+    row = _row(_linear(8, 4), 0, 2)
+    assert repr(row) == "Linear(in_features=8, out_features=4, bias=True, bf16, row rank 0/2)"
+
+
+def test_stacking_sharded_layers_keeps_their_style_and_form(collectives) -> None:
+    """A single column-sharded layer, or several, stack into a column layer with their blocks, their trainability
+    and the asked method; a column layer that already has blocks, a gathered one, or an asked style are refused."""
+    parts = [_linear(8, 12, seed=i).requires_grad_(True) for i in range(2)]
+
+    def rank(r: int, g: _Rank) -> tuple:
+        cols = [_col(p, r, 2, g) for p in parts]
+        one = L.Linear.from_linears(cols[:1])
+        both = L.Linear.from_linears(cols, quant=L.FP8)
+        refused = []
+        for bad in ([L.Linear.from_linears([parts[0]], parallel=L.Column(r, 2, g, blocks=(6, 6))), cols[1]],
+                    [_col(parts[0], r, 2, g, gather_output=True), cols[1]]):
+            with pytest.raises(ValueError, match="only column-parallel layers of one group stack"):
+                L.Linear.from_linears(bad)
+            refused.append(True)
+        with pytest.raises(ValueError, match="only column-parallel layers of one group stack"):
+            L.Linear.from_linears(cols, parallel=L.Column(r, 2, g))
+        return one, both, refused
+
+    for r, (one, both, refused) in enumerate(_spmd(2, rank)):
+        assert one.parallel.blocks == (12,) and torch.equal(one.weight, parts[0].weight[r * 6:(r + 1) * 6])
+        assert one.in_features == 8 and one.out_features == 12 and one.weight.requires_grad
+        assert both.quant == L.FP8 and both.in_features == 8 and both.out_features == 24 and both.parallel.blocks == (12, 12)
+        assert refused == [True, True]
+
+
+def test_a_world_1_row_layer_quantizes_without_a_collective(collectives) -> None:
+    layer = _row(_linear(32, 16, dtype=torch.float32), 0, 1).quantized(L.FP8)  # the fake collectives need a group
+    assert layer.quant == L.FP8 and layer.weight_scale.shape == (1, 16)
+
+
+def test_stacking_refusals_are_whole_sentences() -> None:
+    with pytest.raises(ValueError) as exc:
+        L.Linear.from_linears([L.Linear.from_linears([_linear(16, 16, dtype=torch.float32)], quant=L.FP8)] * 2)
+    assert str(exc.value) == "fp8 layers cannot be stacked: fuse projections before quantizing"
