@@ -71,3 +71,16 @@ def write_random_kohya_lora(path: Path, seed: int, inner: int, num_double: int, 
             sd[f"{key}.alpha"] = torch.tensor(float(rank) / 2)
     save_file(sd, str(path))
     return path
+
+
+def png_psnr(a: bytes, b: bytes) -> float:
+    """PSNR in dB between two PNG images (8-bit RGB); inf when they are equal."""
+    import io
+    import math
+
+    import numpy as np
+    from PIL import Image
+
+    x, y = (np.asarray(Image.open(io.BytesIO(p)).convert("RGB")).astype(np.float64) for p in (a, b))
+    mse = float(np.mean((x - y) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)

@@ -268,15 +268,21 @@ def _rank_checks(rank: int, port: int, tiny_path: str, res: dict) -> None:
 
 
 def _rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None:
+    # Exits without tearing the group down: rank 1 leaving abruptly is the dead-rank check.
+    report_rank(rank, outdir, lambda res: _rank_checks(rank, port, tiny_path, res))
+
+
+def report_rank(rank: int, outdir: str, body) -> None:
+    """Run `body(res)` in a spawned rank, save what it put in `res` (or the error) for the parent, and leave without
+    tearing the process group down."""
     import torch
 
     res: dict = {}
     try:
-        _rank_checks(rank, port, tiny_path, res)
+        body(res)
     except BaseException:  # noqa: BLE001 - reported to the parent
         res["error"] = traceback.format_exc()
     torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
-    # Exit without tearing the group down: rank 1 leaving abruptly is the dead-rank check.
     os._exit(0)
 
 

@@ -8,14 +8,12 @@ memory); bench/tp_speed.py measures it on a machine with a GPU per rank."""
 
 from __future__ import annotations
 
-import math
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 
-from tests.test_tp import JOIN_TIMEOUT_S, spawn_ranks
+from tests._inputs import png_psnr
+from tests.test_tp import JOIN_TIMEOUT_S, report_rank, spawn_ranks
 
 pytestmark = pytest.mark.gpu
 WORLD = 2
@@ -37,30 +35,26 @@ def _requests(tier: str):
 
 
 def _rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None:
-    import torch
+    report_rank(rank, outdir, lambda res: _rank_body(rank, port, tiny_path, res))
 
-    res: dict = {}
-    try:
-        import kernels
-        from tp.shard import agree_all_ranks
-        from tp.worker import TPWorker
 
-        for i, tier in enumerate(("high", "lossless")):
-            worker = TPWorker(rank, WORLD, _form(tiny_path, tier), port=port + i, backend="gloo", timeout_s=120.0)
-            res[f"{tier}_setup"] = worker.setup()
-            res[f"{tier}_form"] = worker.pipe.form
-            agree = lambda ok: agree_all_ranks(ok, worker.ctrl_group)  # noqa: E731,B023
-            (r,) = worker.pipe.generate(_requests(tier), agree=agree)
-            res[tier] = (r.latents, r.png, r.ran)
-            if tier == "lossless":  # every exact fused kernel off: eager ops only
-                with kernels.switches.override(**{name: False for name in EXACT_GATES}):
-                    (plain,) = worker.pipe.generate(_requests(tier), agree=agree)
-                res["lossless_plain"] = (plain.latents, plain.png)
-            worker.shutdown()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        res["error"] = traceback.format_exc()
-    torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
-    os._exit(0)
+def _rank_body(rank: int, port: int, tiny_path: str, res: dict) -> None:
+    import kernels
+    from tp.shard import agree_all_ranks
+    from tp.worker import TPWorker
+
+    for i, tier in enumerate(("high", "lossless")):
+        worker = TPWorker(rank, WORLD, _form(tiny_path, tier), port=port + i, backend="gloo", timeout_s=120.0)
+        res[f"{tier}_setup"] = worker.setup()
+        res[f"{tier}_form"] = worker.pipe.form
+        agree = lambda ok: agree_all_ranks(ok, worker.ctrl_group)  # noqa: E731,B023
+        (r,) = worker.pipe.generate(_requests(tier), agree=agree)
+        res[tier] = (r.latents, r.png, r.ran)
+        if tier == "lossless":  # every exact fused kernel off: eager ops only
+            with kernels.switches.override(**{name: False for name in EXACT_GATES}):
+                (plain,) = worker.pipe.generate(_requests(tier), agree=agree)
+            res["lossless_plain"] = (plain.latents, plain.png)
+        worker.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -76,17 +70,6 @@ def shared_run(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     return spawn_ranks(_rank_main, WORLD, tiny_path, tmp_path_factory.mktemp("tp-shared"), JOIN_TIMEOUT_S)
 
 
-def _psnr(a: bytes, b: bytes) -> float:
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    x, y = (np.asarray(Image.open(io.BytesIO(p)).convert("RGB")).astype(np.float64) for p in (a, b))
-    mse = float(np.mean((x - y) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
-
-
 def test_tp2_high_with_fp8_matches_tp1_and_the_ranks_agree(shared_run: dict, tiny_path: Path) -> None:
     import torch
 
@@ -99,7 +82,7 @@ def test_tp2_high_with_fp8_matches_tp1_and_the_ranks_agree(shared_run: dict, tin
     assert torch.equal(lat0, lat1) and png0 == png1
     assert ran0.fp8_layers > 0 and ran0.fused_projections and ran0.fast_norm_sites > 0 and ran0.attention8_sites > 0
     (ref,) = build_pipeline(_form(str(tiny_path), "high")).generate(_requests("high"))
-    assert _psnr(png0, ref.png) >= PSNR_MIN_DB, _psnr(png0, ref.png)
+    assert png_psnr(png0, ref.png) >= PSNR_MIN_DB, png_psnr(png0, ref.png)
 
 
 def test_tp2_lossless_is_the_same_with_the_exact_kernels_off(shared_run: dict) -> None:

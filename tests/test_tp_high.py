@@ -7,14 +7,13 @@ reduction-order noise of tp 1 (a row-parallel layer sums per-rank partial produc
 
 from __future__ import annotations
 
-import math
 import os
-import traceback
 from pathlib import Path
 
 import pytest
 
-from tests.test_tp import JOIN_TIMEOUT_S, spawn_ranks
+from tests._inputs import png_psnr
+from tests.test_tp import JOIN_TIMEOUT_S, report_rank, spawn_ranks
 
 WORLD = 2
 PSNR_MIN_DB = 40.0
@@ -36,27 +35,25 @@ def _requests(step_cache: float):
 
 
 def _rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None:
+    report_rank(rank, outdir, lambda res: _rank_body(rank, port, tiny_path, outdir, res))
+
+
+def _rank_body(rank: int, port: int, tiny_path: str, outdir: str, res: dict) -> None:
     import torch
 
-    res: dict = {}
-    try:
-        torch.set_num_threads(1)  # two ranks on two cores
-        from tp.shard import agree_all_ranks
-        from tp.worker import TPWorker
+    from tp.shard import agree_all_ranks
+    from tp.worker import TPWorker
 
-        worker = TPWorker(rank, WORLD, _form(tiny_path, os.path.join(outdir, "ink.safetensors")), port=port,
-                          backend="gloo", timeout_s=60.0)
-        res["setup"] = worker.setup()
-        res["form"] = worker.pipe.form
-        agree = lambda ok: agree_all_ranks(ok, worker.ctrl_group)  # noqa: E731
-        for threshold in (0.9, 0.0):
-            (r,) = worker.pipe.generate(_requests(threshold), agree=agree)
-            res[threshold] = (r.latents, r.png, r.timings.get("cached_steps"), r.ran)
-        worker.shutdown()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        res["error"] = traceback.format_exc()
-    torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
-    os._exit(0)
+    torch.set_num_threads(1)  # two ranks on two cores
+    worker = TPWorker(rank, WORLD, _form(tiny_path, os.path.join(outdir, "ink.safetensors")), port=port,
+                      backend="gloo", timeout_s=60.0)
+    res["setup"] = worker.setup()
+    res["form"] = worker.pipe.form
+    agree = lambda ok: agree_all_ranks(ok, worker.ctrl_group)  # noqa: E731
+    for threshold in (0.9, 0.0):
+        (r,) = worker.pipe.generate(_requests(threshold), agree=agree)
+        res[threshold] = (r.latents, r.png, r.timings.get("cached_steps"), r.ran)
+    worker.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -67,17 +64,6 @@ def high_run(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     outdir = tmp_path_factory.mktemp("tp-high")
     write_random_lora(load_pipeline(str(tiny_path)).transformer, outdir / "ink.safetensors", 3)
     return {"ranks": spawn_ranks(_rank_main, WORLD, tiny_path, outdir, JOIN_TIMEOUT_S), "outdir": outdir}
-
-
-def _psnr(a: bytes, b: bytes) -> float:
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    x, y = (np.asarray(Image.open(io.BytesIO(p)).convert("RGB")).astype(np.float64) for p in (a, b))
-    mse = float(np.mean((x - y) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
 def test_both_ranks_agree_and_match_tp_1(high_run: dict, tiny_path: Path) -> None:
@@ -100,7 +86,7 @@ def test_both_ranks_agree_and_match_tp_1(high_run: dict, tiny_path: Path) -> Non
         assert ran0.fused_projections and ran0.fused_adapter == ("ink", 1.0) and ran0.step_cache == (threshold or None)
         scale = ref.latents.abs().max()
         assert (lat0 - ref.latents).abs().max() <= 1e-4 * scale, (lat0 - ref.latents).abs().max()
-        assert _psnr(png0, ref.png) >= PSNR_MIN_DB
+        assert png_psnr(png0, ref.png) >= PSNR_MIN_DB
 
 
 def test_the_step_cache_skips_only_where_every_rank_would() -> None:
