@@ -163,7 +163,7 @@ def table_markdown() -> str:
     rows = ["| technique | config | exact | scope | runs on | tp > 1 | high default | cannot run with |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for f in FEATURES:
-        config = "always in high" if f.where is None else f"`{f.where_in('<pool>' if f.where == 'pool' else '')}`"
+        config = "always in high" if f.where is None else f"`{f.where_in('<pool>')}`"
         dtypes = "" if len(f.dtypes) == 3 else " " + "/".join(_SHORT[d] for d in f.dtypes)
         runs = ("any" if f.devices == ("cpu", "cuda") else "/".join(f.devices)) + dtypes
         default = ("yes" + (f" (with {', '.join(f.default_with)})" if f.default_with else "")) if f.high_default else "no"
