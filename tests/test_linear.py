@@ -361,3 +361,38 @@ def test_stacking_refusals_are_whole_sentences() -> None:
     with pytest.raises(ValueError) as exc:
         L.Linear.from_linears([L.Linear.from_linears([_linear(16, 16, dtype=torch.float32)], quant=L.FP8)] * 2)
     assert str(exc.value) == "fp8 layers cannot be stacked: fuse projections before quantizing"
+
+
+def test_fp8_on_the_cpu_is_the_gemms_eager_twin_and_the_gelu_goes_into_the_quantization() -> None:
+    """On the CPU an fp8 layer multiplies with `scaled_mm_eager` exactly (not whatever torch._scaled_mm does there);
+    `linear_cat_gelu` quantizes [a | gelu(b)] in one pass from b (not a bf16-rounded GELU); a weight-only layer fed
+    more than WEIGHT_ONLY_ROWS rows in 3-D quantizes them like any fp8 layer."""
+    from kernels import fp8 as ops
+
+    torch.manual_seed(0)
+    layer = L.Linear.from_linears([_linear(48, 32, dtype=torch.bfloat16)], quant=L.FP8)
+    x = torch.randn(5, 48, dtype=torch.bfloat16)
+    q, s = ops.quantize_rows_eager(x)
+    assert torch.equal(layer(x), ops.scaled_mm_eager(q, layer.weight, s, layer.weight_scale, layer.bias))
+    a, b = torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(5, 32, dtype=torch.bfloat16)
+    q, s = ops.quantize_rows_eager(a, b, gelu_b=True)
+    assert torch.equal(L.linear_cat_gelu(layer, a, b), layer.matmul(q, s))
+    assert not torch.equal(L.linear_cat_gelu(layer, a, b),
+                           layer(torch.cat([a, torch.nn.functional.gelu(b, approximate="tanh")], -1)))
+    wo = L.Linear.from_linears([_linear(48, 32, dtype=torch.bfloat16)], quant=L.FP8_WEIGHT_ONLY)
+    many = torch.randn(2, 10, 48, dtype=torch.bfloat16)  # 20 rows: more than the GEMV takes
+    q, s = ops.quantize_rows_eager(many.reshape(20, 48))
+    assert torch.equal(wo(many).reshape(20, 32), wo.matmul(q, s))
+
+
+def test_stacked_column_layers_hold_the_asked_method_and_refuse_gathering(collectives) -> None:
+    parts = [_linear(16, 32, seed=i, dtype=torch.bfloat16) for i in range(2)]
+
+    def rank(r: int, g: _Rank) -> tuple:
+        stacked = L.Linear.from_linears([_col(p, r, 2, g) for p in parts], quant=L.FP8)
+        with pytest.raises(ValueError, match="only column-parallel layers of one group stack"):
+            L.Linear.from_linears([_col(p, r, 2, g, gather_output=True) for p in parts])
+        return stacked
+
+    for stacked in _spmd(2, rank):
+        assert stacked.weight.dtype == E4M3 and stacked.weight_scale.shape == (1, 32)
