@@ -241,3 +241,23 @@ def test_gelu_into_guard_accepts_column_slices(monkeypatch) -> None:
         assert gelu._gelu_into_signature(h, torch.empty(4, 8)) is not None
     monkeypatch.setattr(gelu, "_device_supported", lambda device: False)
     assert gelu._gelu_into_signature(torch.randn(4, 8), torch.empty(4, 8)) is None
+
+
+@pytest.mark.parametrize("empty", ["heads", "head size", "tokens"])
+def test_rope_guard_refuses_empty_tensors_of_every_kind(as_cuda, empty: str) -> None:
+    """Any empty dimension is refused (and never divides by zero on the way)."""
+    h, d, i, t = (0 if empty == "heads" else H), (0 if empty == "head size" else D), (0 if empty == "tokens" else I), (
+        0 if empty == "tokens" else T)
+    args = _rope_args(txt=torch.randn(B, t, h, d), img=torch.randn(B, i, h, d), cos=torch.randn(t + i, d),
+                      sin=torch.randn(t + i, d))
+    assert rope._signature(**args) is None
+
+
+def test_rms_rope_guard_takes_head_size_128_and_refuses_a_norm_without_weight(as_cuda) -> None:
+    args = _rope_args(txt=torch.randn(1, 1, 1, 128), img=torch.randn(1, 1, 1, 128), cos=torch.randn(2, 128),
+                      sin=torch.randn(2, 128))
+    with torch.no_grad():
+        assert rope._rms_signature(args["txt"], args["img"], *_norms(128), args["cos"], args["sin"]) is not None
+        plain = _rope_args()
+        assert rope._rms_signature(plain["txt"], plain["img"], nn.Identity(), _norms()[1], plain["cos"],
+                                   plain["sin"]) is None
