@@ -80,8 +80,7 @@ FEATURES: tuple[Feature, ...] = (
             scope="replica", where="pool", high_default=True),
     Feature("fp8", "e4m3 linear layers: per-channel weight and per-row activation scales, torch._scaled_mm",
             exact=False, scope="replica", where="pool", devices=("cuda",), dtypes=("bfloat16",), elsewhere="warn",
-            high_default=True, tp_refusal="sharded fp8 layers have run on the CPU's eager twins only, not yet on a GPU "
-                                          "at tp > 1"),
+            high_default=True),
     Feature("compile", "the transformer blocks through regional torch.compile, compiled at replica start",
             exact=False, scope="replica", where="pool", tp_refusal="the ranks' collectives are not traced",
             excludes={"fused_projections": _COMPILE_SLOWER, "fp8": _COMPILE_SLOWER, "attention8": _COMPILE_SLOWER,

@@ -31,8 +31,8 @@ def test_h200_config_parses_as_our_args_and_as_a_serve_config() -> None:
     [app] = config["applications"]
     args = AppArgs.parse(app["args"])
     assert (args.device, args.dtype, args.pools["lossless"].tp, args.pools["high"].tp) == ("cuda", "bfloat16", 1, 2)
-    # fused projections shard with their heads; fp8 waits for its first GPU run at tp > 1 (model/features.py)
-    assert args.pools["high"].fused_projections and not args.pools["high"].fp8
+    # fused projections shard with their heads and fp8 layers with their scales (model/features.py)
+    assert args.pools["high"].fused_projections and args.pools["high"].fp8
 
 
 def test_h200_config_fits_one_eight_gpu_node_at_max_replicas() -> None:

@@ -102,7 +102,7 @@ def test_device_bound_options_are_refused_elsewhere() -> None:
     ({}, {"fast_norm", "fp8", "fused_projections"}),  # attention8 waits for cuda_graphs
     ({"device": "cuda", "pools": {"high": {"cuda_graphs": True}}},
      {"fast_norm", "fp8", "fused_projections", "attention8", "cuda_graphs"}),
-    ({"pools": {"high": {"tp": 2}}}, {"fast_norm", "fused_projections"}),  # fp8 is refused at tp > 1
+    ({"pools": {"high": {"tp": 2}}}, {"fast_norm", "fused_projections", "fp8"}),  # no graphs at tp > 1: no attention8
     ({"pools": {"high": {"compile": True}}}, {"fast_norm", "compile"}),
     ({"loras": {"ink": "/x"}}, {"fast_norm"}),  # per-request adapters keep the linears bf16
     ({"loras": {"ink": "/x"}, "fuse_lora": True, "device": "cuda", "pools": {"high": {"cuda_graphs": True}}},
@@ -164,9 +164,9 @@ def test_the_json_listing_carries_every_rule() -> None:
     rows = {row["name"]: row for row in features.as_dicts()}
     assert list(rows) == [f.name for f in FEATURES]
     assert rows["fp8"] == {"name": "fp8", "summary": feature("fp8").summary, "exact": False, "scope": "replica",
-                           "config": "fp8", "devices": ["cuda"], "dtypes": ["bfloat16"], "tp": False,
-                           "tp_refusal": feature("fp8").tp_refusal, "high_default": True, "default_with": [],
+                           "config": "fp8", "devices": ["cuda"], "dtypes": ["bfloat16"], "tp": True,
+                           "tp_refusal": None, "high_default": True, "default_with": [],
                            "excludes": ["compile", "gelu_sites", "lora"]}
     assert rows["step_cache"]["config"] == "step_cache_threshold" and rows["gelu_sites"]["config"] is None
     assert rows["attention8"]["default_with"] == ["cuda_graphs"] and rows["cuda_graphs"]["exact"] is True
-    assert rows["fused_projections"]["tp"] is True and rows["fused_projections"]["tp_refusal"] is None
+    assert rows["compile"]["tp"] is False and rows["compile"]["tp_refusal"] == feature("compile").tp_refusal

@@ -511,7 +511,6 @@ def test_a_pipeline_converted_for_high_serves_high_only(tiny_path: Path) -> None
     ({"pools": {"lossless": {"fp8": True}}}, "high pool only"),
     ({"pools": {"lossless": {"fused_projections": True}}}, "high pool only"),
     ({"pools": {"high": {"fp8": "yes"}}}, "true or false"),
-    ({"pools": {"high": {"fp8": True, "tp": 2}}}, "tp > 1"),
     ({"pools": {"high": {"fused_projections": True, "compile": True}}}, "exclude each other"),
     ({"pools": {"high": {"fp8": True, "compile": True}}}, "measured slower"),
 ])

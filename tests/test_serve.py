@@ -281,7 +281,7 @@ def test_high_routes_to_high_pool(serve_app: dict) -> None:
     body = r.json()
     assert body["pool"] == "high" and body["quality"] == "high"
     # CPU: the kernels' guards refuse every site (fused GELU is CUDA-only), fast norms and 8-bit attention run on
-    # CUDA fp16/bf16 only; the tp 2 pool's ranks hold fused projections (its default at tp > 1), fp8 stays refused.
+    # CUDA fp16/bf16 only; the tp 2 pool's ranks hold fused projections (fp8, its other default, is refused on a CPU).
     assert body["ran"] == {**NOTHING_RAN, "fused_projections": True}
     stats = _pool_stats("high")
     assert stats["pool"] == "high" and stats["tp"] == TP_HIGH and stats["images"] >= 1
