@@ -261,3 +261,40 @@ def test_rms_rope_guard_takes_head_size_128_and_refuses_a_norm_without_weight(as
         plain = _rope_args()
         assert rope._rms_signature(plain["txt"], plain["img"], nn.Identity(), _norms()[1], plain["cos"],
                                    plain["sin"]) is None
+
+
+def test_modulate_signature_keys_on_the_scale_and_shift_layouts(modulate_as_cuda) -> None:
+    """FLUX's scale and shift are chunks of one [B, 6D] embedding (row stride 6D): a verdict for that layout must not
+    stand for contiguous ones, so both enter the signature."""
+    normed = torch.randn(B, S, W)
+    emb = torch.randn(B, 6 * W)
+    chunked = modulate._signature(normed, emb[:, :W], emb[:, W:2 * W])
+    for scale, shift in ((torch.randn(B, W), emb[:, W:2 * W]), (emb[:, :W], torch.randn(B, W))):
+        assert modulate._signature(normed, scale, shift) not in (None, chunked)
+
+
+def test_layer_norm_modulate_eager_keeps_its_eps_and_the_switched_off_path_is_the_twin() -> None:
+    import kernels.switches as switches
+
+    x = torch.randn(B, S, W) * 1e-3  # a variance near eps: the eps shows in the result
+    scale, shift = torch.randn(B, W), torch.randn(B, W)
+    want = modulate.modulate_eager(torch.nn.functional.layer_norm(x, (W,), eps=1e-6), scale, shift)
+    assert torch.equal(modulate.layer_norm_modulate_eager(x, scale, shift, 1e-6), want)
+    assert not torch.equal(modulate.layer_norm_modulate_eager(x, scale, shift, 1e-5), want)
+    with switches.override(layer_norm_modulate=False):
+        assert torch.equal(modulate.layer_norm_modulate(x, scale, shift, 1e-6), want)
+
+
+def test_norm_site_switches_and_their_refusal(modulate_as_cuda) -> None:
+    site, plain = nn.Linear(2, 2), nn.Linear(2, 2)
+    modulate.mark_norm_site(site)
+    root = nn.Sequential(site, plain)
+    assert modulate.set_fast_norm(root, True) == 1 and modulate.fast_norm(site) is True
+    assert modulate.fast_norm_sites(root) == 1 and modulate.set_fast_norm(root, False) == 0
+    assert modulate.fast_norm(site) is False
+    with pytest.raises(ValueError) as exc:
+        modulate.set_norm_fp8(plain, True)
+    assert str(exc.value) == "Linear is not a marked norm site"
+    wide = torch.randn(1, 1, 16385, dtype=torch.float16)  # one past the fast kernel's widest row
+    assert not modulate._fast_supported(wide, torch.randn(1, 16385, dtype=torch.float16),
+                                        torch.randn(1, 16385, dtype=torch.float16))
