@@ -298,3 +298,39 @@ def test_norm_site_switches_and_their_refusal(modulate_as_cuda) -> None:
     wide = torch.randn(1, 1, 16385, dtype=torch.float16)  # one past the fast kernel's widest row
     assert not modulate._fast_supported(wide, torch.randn(1, 16385, dtype=torch.float16),
                                         torch.randn(1, 16385, dtype=torch.float16))
+
+
+def test_gelu_site_checks_name_what_stops_a_layer(monkeypatch) -> None:
+    """`can_fuse_linear_gelu` and the site check: whole reasons for a foreign layer type, a weight that is not 2-D,
+    an input on another device, a site whose attribute is missing or not a module; a site once merged away is gone."""
+    monkeypatch.setattr(gelu, "_device_supported", lambda device: device.type == "cpu")
+
+    class Foreign(nn.Module):
+        pass
+
+    assert gelu.can_fuse_linear_gelu(Foreign()) == (False, f"unsupported layer type {__name__}.test_gelu_site_checks_"
+                                                           "name_what_stops_a_layer.<locals>.Foreign")
+    layer = nn.Linear(8, 12).to(torch.bfloat16)
+    assert gelu.can_fuse_linear_gelu(layer) == (True, "ok")
+    layer.weight = nn.Parameter(torch.randn(12, 8, 1, dtype=torch.bfloat16))
+    assert gelu.can_fuse_linear_gelu(layer) == (False, "layer has no 2-D weight")
+    layer = nn.Linear(8, 12).to(torch.bfloat16)
+    x = torch.randn(3, 8, dtype=torch.bfloat16, device="meta")
+    assert gelu.can_fuse_linear_gelu(layer, x) == (False, "input on meta (weight on cpu)")
+    site = nn.Module()
+    assert gelu.site_check(site, "gelu_sites:proj") == (False, "attribute 'proj' is not a module")
+    site.proj = torch.zeros(1)
+    assert gelu.site_check(site, "gelu_sites:proj") == (False, "attribute 'proj' is not a module")
+    site = nn.Module()
+    site.proj = layer
+    gelu.mark_fused_gelu_site(site, "proj")
+    assert gelu.site_names(site) == ["proj"] and gelu.site_check(site, "gelu_sites:proj") == (True, "ok")
+    gelu.unmark_fused_gelu_site(site, "proj")
+    assert gelu.site_names(site) == []
+
+
+def test_gelu_into_guard_checks_every_leading_stride(monkeypatch) -> None:
+    monkeypatch.setattr(gelu, "_device_supported", lambda device: True)
+    h = torch.randn(2, 3, 5, 8)
+    assert gelu._gelu_into_signature(h, torch.empty(2, 3, 5, 8)) is not None  # distinct leading sizes, contiguous
+    assert gelu._gelu_into_signature(h, torch.empty(2, 3, 5, 24)[..., :8]) is not None
