@@ -225,12 +225,12 @@ GELU_REFUSALS: list[tuple[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]]]
 
 @pytest.mark.parametrize("case", GELU_REFUSALS, ids=[c[0] for c in GELU_REFUSALS])
 def test_gelu_into_guard_refuses(monkeypatch, case) -> None:
-    monkeypatch.setattr(gelu, "_device_supported", lambda device: True)
+    monkeypatch.setattr(gelu, "_into_device_supported", lambda device: True)
     assert gelu._gelu_into_signature(*case[1]()) is None
 
 
 def test_gelu_into_guard_accepts_column_slices(monkeypatch) -> None:
-    monkeypatch.setattr(gelu, "_device_supported", lambda device: True)
+    monkeypatch.setattr(gelu, "_into_device_supported", lambda device: True)
     for rows in ((4,), (2, 3)):
         h = torch.randn(*rows, 8)
         assert gelu._gelu_into_signature(h, _slice(rows, 8, 24)) is not None  # a slice of a wider buffer
@@ -239,8 +239,9 @@ def test_gelu_into_guard_accepts_column_slices(monkeypatch) -> None:
     assert gelu._gelu_into_signature(h, torch.empty(4, 8)) is None
     with torch.no_grad():
         assert gelu._gelu_into_signature(h, torch.empty(4, 8)) is not None
-    monkeypatch.setattr(gelu, "_device_supported", lambda device: False)
+    monkeypatch.setattr(gelu, "_into_device_supported", lambda device: False)
     assert gelu._gelu_into_signature(torch.randn(4, 8), torch.empty(4, 8)) is None
+    assert not gelu._device_supported(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("empty", ["heads", "head size", "tokens"])
@@ -330,7 +331,7 @@ def test_gelu_site_checks_name_what_stops_a_layer(monkeypatch) -> None:
 
 
 def test_gelu_into_guard_checks_every_leading_stride(monkeypatch) -> None:
-    monkeypatch.setattr(gelu, "_device_supported", lambda device: True)
+    monkeypatch.setattr(gelu, "_into_device_supported", lambda device: True)
     h = torch.randn(2, 3, 5, 8)
     assert gelu._gelu_into_signature(h, torch.empty(2, 3, 5, 8)) is not None  # distinct leading sizes, contiguous
     assert gelu._gelu_into_signature(h, torch.empty(2, 3, 5, 24)[..., :8]) is not None
