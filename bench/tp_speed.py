@@ -33,7 +33,7 @@ def _requests(args: argparse.Namespace, tier: str, steps: int) -> list:
                               seed=0, quality=tier)]
 
 
-def _form(args: argparse.Namespace, tier: str, world: int, gpus: int) -> Any:
+def _form(args: argparse.Namespace, tier: str, world: int) -> Any:
     from deployments.config import AppArgs
 
     pool = {"tp": world}
@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, tier: str,
 
         shared = args.device == "cuda" and gpus < world
         device = args.device if args.device != "cuda" else f"cuda:{0 if shared else rank}"
-        worker = TPWorker(rank, world, replace(_form(args, tier, world, gpus), device=device), port=port,
+        worker = TPWorker(rank, world, replace(_form(args, tier, world), device=device), port=port,
                           backend="gloo" if args.device != "cuda" or shared else "nccl", timeout_s=600.0)
         result["setup"] = worker.setup()
         result["form"] = sorted(worker.pipe.form.techniques())

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field, fields, make_dataclass, replac
 from typing import Any
 
 from deployments.errors import BadRequest
-from model.features import FEATURES, POOL_OPTIONS, Feature, app_techniques, feature, is_on, refusal
-from model.form import FORM_TECHNIQUES, ServingForm
+from model.features import FEATURES, POOL_OPTIONS, Feature, app_techniques, is_on, refusal
+from model.form import ServingForm
 from model.request import DEFAULT_MODEL, DEFAULT_STEPS, DTYPES, QUALITIES, SizeError, step_cache_error
 from model.request import parse_size as parse_request_size
 
@@ -213,7 +213,7 @@ class AppArgs:
         return ServingForm(model=self.model, device=self.device, dtype=self.dtype,
                            loras=tuple(self.loras.items()), fused_lora=None if fused is None else (fused, 1.0),
                            warm_sizes=tuple(sizes), warm_batch_sizes=tuple(batch_sizes),
-                           **{name: getattr(p, feature(name).key) for name in FORM_TECHNIQUES})
+                           **{f.name: getattr(p, f.key) for f in POOL_OPTIONS})
 
 
 API_KEYS_ENV = "FLUXSERVE_API_KEYS_FILE"
@@ -225,7 +225,7 @@ def warm_plan(args: AppArgs, pool: str) -> tuple[list[tuple[int, int]], list[int
     p = args.pools[pool]
     sizes = [parse_size(s, f"args.pools.{pool}.compile_sizes") for s in (p.compile_sizes or [args.default_size])]
     # A batch-invariant pool runs one request per pipeline call; otherwise a call holds 1..max_batch_size.
-    top = 1 if args.pools[pool].batch_invariant else args.max_batch_size
+    top = 1 if p.batch_invariant else args.max_batch_size
     return sizes, list(range(1, top + 1))
 
 
@@ -266,7 +266,7 @@ def _with_defaults(pool: PoolArgs, name: str, given: dict[str, Any], app_on: fro
 def pool_refusal(args: AppArgs, pool: str, name: str, subject: str | None = None) -> str | None:
     """Why pool `pool` of a parsed config cannot run technique `name` (e.g. asked for by a request), or None."""
     p = args.pools[pool]
-    on = p.techniques() | app_techniques(args.to_dict())
+    on = p.techniques() | app_techniques(vars(args))  # (no deep copy of the args per request)
     return refusal(name, pool=pool, tp=p.tp, device=args.device, on=on, subject=subject)
 
 

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from model.form import BATCH_DEFAULTS, ServingForm
 from model import loading
+from model.form import BATCH_DEFAULTS, ServingForm
 from model.pipeline import FluxServePipeline
 from model.request import torch_dtype
 

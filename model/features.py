@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping
 
+from model.request import _DTYPE_ALIASES, DTYPES  # the dtype names and their short forms, one place
+
 Scope = Literal["replica", "batch"]
 
 
@@ -35,7 +37,7 @@ class Feature:
     # Where it runs; elsewhere it is refused by the config ("config") or the sites stay on their exact kernels
     # ("exact"), or the replica keeps bf16 with a warning ("warn").
     devices: tuple[str, ...] = ("cpu", "cuda")
-    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    dtypes: tuple[str, ...] = DTYPES
     elsewhere: Literal["config", "exact", "warn"] = "exact"
     # Other technique -> why the two cannot run in one pool (declared on one of the two rows).
     excludes: Mapping[str, str] = field(default_factory=dict)
@@ -146,7 +148,7 @@ def refusal(name: str, *, pool: str, tp: int, device: str, on: Iterable[str] = (
         return f"{where} is not supported with tp > 1 (got tp={tp}): {f.tp_refusal}"
     if f.elsewhere == "config" and device.split(":")[0] not in f.devices:
         return f"{where} needs device: {' or '.join(f.devices)} (got device: {device!r})"
-    for other in on:
+    for other in (g.name for g in FEATURES if g.name in on):  # table order: the same message in every process
         if other != name:
             why = exclusion(name, other)
             if why is not None:
@@ -154,7 +156,7 @@ def refusal(name: str, *, pool: str, tp: int, device: str, on: Iterable[str] = (
     return None
 
 
-_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_SHORT = {name: short for short, name in _DTYPE_ALIASES.items()}
 
 
 def table_markdown() -> str:
@@ -163,7 +165,7 @@ def table_markdown() -> str:
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for f in FEATURES:
         config = "always in high" if f.where is None else f"`{f.where_in('<pool>')}`"
-        dtypes = "" if len(f.dtypes) == 3 else " " + "/".join(_SHORT[d] for d in f.dtypes)
+        dtypes = "" if f.dtypes == DTYPES else " " + "/".join(_SHORT[d] for d in f.dtypes)
         runs = ("any" if f.devices == ("cpu", "cuda") else "/".join(f.devices)) + dtypes
         default = ("yes" + (f" (with {', '.join(f.default_with)})" if f.default_with else "")) if f.high_default else "no"
         excluded = sorted({o for o in BY_NAME if o != f.name and exclusion(f.name, o)})

@@ -48,7 +48,5 @@ class ServingForm:
         return frozenset(on)
 
 
-# The pool options a form carries under their feature names.
-FORM_TECHNIQUES: tuple[str, ...] = tuple(f.name for f in FEATURES if f.where == "pool")
 # The high-batch defaults a form carries: the table's per-batch pool techniques.
 BATCH_DEFAULTS: frozenset[str] = frozenset(f.name for f in FEATURES if f.scope == "batch" and f.where == "pool")

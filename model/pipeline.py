@@ -461,4 +461,4 @@ class FluxServePipeline:
     def runs(self, technique: str) -> bool:
         """Whether `technique`'s kernels run for this pipeline's device and dtype (the feature table's `runs_on`);
         where they do not, its sites stay on their exact kernels."""
-        return feature(technique).runs_on(self.device.type, str(self.dtype).removeprefix("torch."))
+        return feature(technique).runs_on(self.form.device, self.form.dtype)

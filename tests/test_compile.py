@@ -6,7 +6,6 @@ refuse to mount, so compiled high is compared with eager (unmounted) high: same 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import subprocess
 import sys
 from itertools import combinations
@@ -170,3 +171,15 @@ def test_the_json_listing_carries_every_rule() -> None:
     assert rows["step_cache"]["config"] == "step_cache_threshold" and rows["gelu_sites"]["config"] is None
     assert rows["attention8"]["default_with"] == ["cuda_graphs"] and rows["cuda_graphs"]["exact"] is True
     assert rows["compile"]["tp"] is False and rows["compile"]["tp_refusal"] == feature("compile").tp_refusal
+
+
+def test_a_pool_with_several_exclusions_names_the_same_pair_in_every_process() -> None:
+    """The refusal walks the other techniques in table order, not in a set's hash order: the message does not change
+    from one process (hash seed) to the next."""
+    code = ("from deployments.config import AppArgs\n"
+            "try:\n    AppArgs.parse({'loras': {'ink': '/x'}, 'pools': {'high': {'compile': True, 'fp8': True}}})\n"
+            "except ValueError as e:\n    print(e)")
+    seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout
+            for seed in range(6)}
+    assert len(seen) == 1 and next(iter(seen)).startswith("args.pools.high.fp8 and compile exclude each other"), seen
