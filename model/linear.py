@@ -267,11 +267,8 @@ class Linear(nn.Module):
         if any(with_bias) != all(with_bias):
             raise ValueError("stacked linears must all have a bias or none")
         with torch.no_grad():
-            # One layer is taken as it is (no copy: the conversion's peak stays the model plus one layer).
-            weight = torch.cat([lin.weight.detach() for lin in linears], dim=0) if len(linears) > 1 else (
-                first.weight.detach())
-            bias = None if not all(with_bias) else torch.cat([lin.bias.detach() for lin in linears]) if len(
-                linears) > 1 else first.bias.detach()
+            weight = _stack([lin.weight.detach() for lin in linears])
+            bias = _stack([lin.bias.detach() for lin in linears]) if all(with_bias) else None
             layer = cls(first.in_features, weight.shape[0], {"weight": weight, "bias": bias},
                         requires_grad=first.weight.requires_grad)
             return layer.sharded(parallel).quantized(quant)
@@ -350,6 +347,12 @@ class Linear(nn.Module):
             f" blocks {list(p.blocks)}" if p.blocks else "") + (" gathered" if getattr(p, "gather_output", False) else "")
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"{self.quant.name}" + (" weight-only" if getattr(self.quant, "weight_only", False) else "") + shard)
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of `tensors` one after the other; one tensor is taken as it is (no copy: a conversion's peak stays
+    the model plus one layer)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
 
 
 def _unshard(per_rank: Sequence[torch.Tensor], blocks: Sequence[int], world: int, dim: int) -> torch.Tensor:
