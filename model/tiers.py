@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from kernels import gelu, sites
+from kernels import attention, gelu, modulate, sites
 from model.execution import FirstBlockCache, running
 from model.features import FEATURES, exclusion, feature, is_on
 from model.request import Quality
@@ -144,8 +144,8 @@ def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
             report.mount_report = gelu.MountReport(mounted=switched.on.get(gelu.GROUP, []),
                                                    refused=switched.refused.get(gelu.GROUP, {}))
         report.mounted_sites = switched.count(gelu.GROUP)
-        report.fast_norm_sites = switched.count("fast_norm")
-        report.attention8_sites = switched.count("attention8")
+        report.fast_norm_sites = switched.count(modulate.GROUP)
+        report.attention8_sites = switched.count(attention.GROUP)
         if plan.compiled:
             if block_runners is None:
                 raise ValueError("a compiled plan needs the compiled block runners")
