@@ -94,7 +94,6 @@ FEATURES: tuple[Feature, ...] = (
             "residual", exact=False, scope="batch", where="pool", option="step_cache_threshold", option_type=float),
     Feature("lora", "LoRA adapters loaded once, switched on per batch as requests name them", exact=True,
             scope="batch", where="app", option="loras", option_type=dict,
-            tp_refusal="PEFT wraps plain nn.Linear layers; the sharded layers are not, and adapters are not sharded",
             excludes={"compile": "LoRA under torch.compile is not built yet",
                       "cuda_graphs": "a captured step would replay the adapter set it was captured with; fuse the "
                                      "one adapter (fuse_lora) or turn cuda_graphs off",

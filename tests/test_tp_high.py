@@ -1,5 +1,6 @@
 """The high tier at tp 2 on the CPU (gloo, two spawned ranks): a TP rank builds the same form as a tp 1 replica
-(`model.build.build_pipeline`) and shards it; fused projections, a fused adapter and the step cache run on it.
+(`model.build.build_pipeline`) and shards it; fused projections, a fused adapter and the step cache run on it, and
+per-request adapters on a second pipeline whose LoRA layers shard with their base layers.
 
 Checked against a tp 1 pipeline built from the same form in this process: both ranks give the same latents and
 skip the same steps (the cache's decision is agreed over the control group), and the image stays within fp32's
@@ -27,11 +28,21 @@ def _form(tiny_path: str, lora: str):
                        loras=(("ink", lora),), fused_lora=("ink", 1.0))
 
 
-def _requests(step_cache: float):
+def _requests(step_cache: float | None = None, loras: tuple = ()):
     from model.pipeline import GenerationRequest
 
     return [GenerationRequest("a red fox in the snow", height=64, width=64, steps=STEPS, seed=5, quality="high",
-                              step_cache=step_cache)]
+                              step_cache=step_cache, loras=loras)]
+
+
+def _lora_form(tiny_path: str, lora: str):
+    from model.form import ServingForm
+
+    return ServingForm(model=str(tiny_path), device="cpu", dtype="float32", loras=(("ink", lora),))
+
+
+# per-request adapter sets: none, the adapter at two scales (set_adapters switches them per batch)
+LORA_SETS = ((), (("ink", 1.0),), (("ink", 0.5),))
 
 
 def _rank_main(rank: int, port: int, tiny_path: str, outdir: str) -> None:
@@ -53,6 +64,17 @@ def _rank_body(rank: int, port: int, tiny_path: str, outdir: str, res: dict) -> 
     for threshold in (0.9, 0.0):
         (r,) = worker.pipe.generate(_requests(threshold), agree=agree)
         res[threshold] = (r.latents, r.png, r.timings.get("cached_steps"), r.ran)
+    # Per-request adapters: the LoRA layers (PEFT's) are sharded with their base layers, on the same group.
+    from model.build import build_pipeline
+    from tp.shard import shard_transformer
+
+    adapted = build_pipeline(_lora_form(tiny_path, os.path.join(outdir, "ink.safetensors")),
+                             shard=lambda t: shard_transformer(t, rank, WORLD, worker.group))
+    res["lora_layers"] = sorted({type(m).__name__ for m in adapted.transformer.modules()
+                                 if hasattr(m, "lora_A") and m.lora_A})
+    for loras in LORA_SETS:
+        (r,) = adapted.generate(_requests(loras=loras))
+        res[loras] = r.latents
     worker.shutdown()
 
 
@@ -106,3 +128,27 @@ def test_the_step_cache_skips_only_where_every_rank_would() -> None:
     alone = FirstBlockCache(0.5)
     alone.store(residual, torch.zeros(2, 3))
     assert alone.can_skip(residual * 1.01)
+
+
+def test_per_request_adapters_at_tp_2_match_tp_1(high_run: dict, tiny_path: Path) -> None:
+    """Adapters switched per request on sharded LoRA layers: column layers keep their share of B, row layers their
+    share of A with A's output all-reduced. A row layer that kept A whole would add its term once per rank (twice
+    the adapter); one that skipped the all-reduce would add half of it; both miss tp 1 by far more than the bound."""
+    import torch
+
+    from model.build import build_pipeline
+
+    ranks = high_run["ranks"]
+    assert ranks[0]["lora_layers"] == ["Linear"]  # PEFT's LoRA linear, still in place after sharding
+    tp1 = build_pipeline(_lora_form(str(tiny_path), str(high_run["outdir"] / "ink.safetensors")))
+    refs = {}
+    for loras in LORA_SETS:
+        (ref,) = tp1.generate(_requests(loras=loras))
+        refs[loras] = ref.latents
+        assert torch.equal(ranks[0][loras], ranks[1][loras])
+        scale = ref.latents.abs().max()
+        assert (ranks[0][loras] - ref.latents).abs().max() <= 1e-4 * scale, (ranks[0][loras] - ref.latents).abs().max()
+    # the adapter changes the image, by its scale (else the comparisons above would not see it)
+    full = (refs[LORA_SETS[1]] - refs[()]).abs().max()
+    half = (refs[LORA_SETS[2]] - refs[()]).abs().max()
+    assert full > 100 * 1e-4 * refs[()].abs().max() and half < full

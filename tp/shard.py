@@ -38,14 +38,39 @@ def tp_info(model: nn.Module) -> TPInfo | None:
     return model.__dict__.get(TP_ATTR)
 
 
-def _shard(layer: nn.Module, parallel: Column | Row) -> Linear:
-    """This rank's share of a plain or already converted linear layer (weights and scales alike)."""
+def _shard(layer: nn.Module, parallel: Column | Row) -> nn.Module:
+    """This rank's share of a plain or already converted linear layer (weights and scales alike), or of a PEFT LoRA
+    layer with its adapters (`_shard_adapted`)."""
     if isinstance(layer, Linear):
         return layer.sharded(parallel)
-    if type(layer) is not nn.Linear:  # e.g. a PEFT adapter layer: its adapter would be silently dropped
+    if _is_lora_layer(layer):
+        return _shard_adapted(layer, parallel)
+    if type(layer) is not nn.Linear:  # an adapter layer of another kind: its adapter would be silently dropped
         raise TypeError(f"cannot shard a {type(layer).__module__}.{type(layer).__qualname__}: only plain linear "
-                        "layers shard (merge adapters first)")
+                        "and PEFT LoRA linear layers shard")
     return Linear.from_linears([layer], parallel=parallel)
+
+
+def _is_lora_layer(layer: nn.Module) -> bool:
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:  # no PEFT, no adapters
+        return False
+    return isinstance(layer, LoraLinear)
+
+
+def _shard_adapted(layer: nn.Module, parallel: Column | Row) -> nn.Module:
+    """A PEFT LoRA linear (`base(x) + B(A(x)) * scaling` per active adapter), sharded in place so that each rank adds
+    its share of every adapter's term: column-parallel, B keeps this rank's output rows (A whole); row-parallel, A
+    keeps this rank's input columns and all-reduces its rank-r output (B whole), because the base layer's sum over
+    ranks is already done when PEFT adds the term. Per-request switching (set_adapters) is unchanged."""
+    if layer.merged or any(layer.lora_variant.get(n) is not None for n in layer.lora_A):
+        raise TypeError("cannot shard a LoRA layer with merged weights or an adapter variant (e.g. DoRA)")
+    layer.base_layer = _shard(layer.base_layer, parallel)
+    sharded_side = layer.lora_B if isinstance(parallel, Column) else layer.lora_A
+    for name in list(sharded_side.keys()):
+        sharded_side[name] = _shard(sharded_side[name], parallel)
+    return layer
 
 
 def shard_transformer(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None
