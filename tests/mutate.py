@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -70,16 +71,16 @@ def _copy_checkout(dest: Path) -> None:
             shutil.copy2(src, dest / name.decode())
 
 
-def _config(module: str, tests: list[str]) -> str:
-    package = module.split("/")[0]
-    others = sorted(({m.split("/")[0] for m in MODULES} | {"model", "kernels", "tp", "deployments"}) - {package})
+def _config(modules: list[str], tests: list[str]) -> str:
+    packages = sorted({m.split("/")[0] for m in modules})
+    others = sorted(({m.split("/")[0] for m in MODULES} | {"model", "kernels", "tp", "deployments"}) - set(packages))
 
     def lines(values: list[str]) -> str:
         return "".join(f"\n    {v}" for v in values)
 
     return ("[mutmut]\n"
-            f"source_paths={package}\n"
-            f"only_mutate={module}\n"
+            f"source_paths={lines(packages)}\n"
+            f"only_mutate={lines(modules)}\n"
             # torch.compile cannot trace mutmut's trampolines: compiled tests fail in its stats run, so they are out
             f"pytest_add_cli_args_test_selection={lines([*tests, '-k', os.environ.get('FLUXSERVE_MUTATE_K', 'not compile')])}\n"
             "pytest_add_cli_args=\n    -p\n    no:cacheprovider\n    -q\n"
@@ -91,33 +92,62 @@ def _config(module: str, tests: list[str]) -> str:
             + ("forkserver_warmup=none\n" if os.environ.get("FLUXSERVE_MUTATE_GPU") else ""))
 
 
-def run_module(module: str, out: Path, mutmut: str, only: list[str] | None = None) -> dict:
+def _counts(statuses: list[str]) -> dict[str, int]:
+    counts = {"total": len(statuses)}
+    for status in statuses:
+        key = status.replace(" ", "_")
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def run_modules(modules: list[str], out: Path, mutmut: str, only: list[str] | None = None,
+                tests: list[str] | None = None, max_children: int | None = None,
+                seconds: float | None = None) -> list[dict]:
+    """Mutate `modules` in one mutmut run (one copy, one stats run over the union of their test subsets, or `tests`),
+    then write one JSON per module. After `seconds` mutmut is stopped and the mutants it checked are reported."""
     t0 = time.time()
+    tests = tests or list(dict.fromkeys(t for m in modules for t in MODULES[m]))
+    name = "+".join(m.replace("/", ".") for m in modules)
     with tempfile.TemporaryDirectory(prefix="fluxserve-mutate-") as tmp:
         work = Path(tmp)
         _copy_checkout(work)
         # mutmut reads [tool.mutmut] from pyproject.toml before setup.cfg: keep the copy's pyproject free of it
-        (work / "setup.cfg").write_text(_config(module, MODULES[module]))
-        log = out / (module.replace("/", ".") + ".log")
-        with open(log, "w") as fh:
-            subprocess.run([mutmut, "run", *(only or [])], cwd=work, stdout=fh, stderr=subprocess.STDOUT,
-                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-        subprocess.run([mutmut, "export-cicd-stats"], cwd=work, capture_output=True)
-        stats_file = work / "mutants" / "mutmut-cicd-stats.json"
-        stats = json.loads(stats_file.read_text()) if stats_file.exists() else {"error": f"no stats; see {log}"}
-        listed = subprocess.run([mutmut, "results"], cwd=work, capture_output=True, text=True).stdout
-        survivors = []
+        (work / "setup.cfg").write_text(_config(modules, tests))
+        with open(out / (name + ".log"), "w") as fh:
+            run = subprocess.Popen([mutmut, "run", *(["--max-children", str(max_children)] if max_children else []),
+                                    *(only or [])], cwd=work, stdout=fh, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, start_new_session=True)
+            try:
+                run.wait(timeout=seconds)
+            except subprocess.TimeoutExpired:
+                os.killpg(run.pid, signal.SIGTERM)  # its workers too; what they finished is on disk
+                run.wait()
+                fh.write(f"\nstopped after {seconds} s\n")
+        listed = subprocess.run([mutmut, "results", "--all", "true"], cwd=work, capture_output=True,
+                                text=True).stdout
+        statuses: dict[str, list[tuple[str, str]]] = {m: [] for m in modules}
         for line in listed.splitlines():
-            name, _, status = line.strip().rpartition(": ")
-            if name and status != "not checked":
-                diff = subprocess.run([mutmut, "show", name], cwd=work, capture_output=True, text=True).stdout
-                survivors.append({"name": name, "status": status,
+            mutant, _, status = line.strip().rpartition(": ")
+            owner = next((m for m in modules if mutant.startswith(m[:-3].replace("/", ".") + ".")), None)
+            if owner is not None and status != "not checked":
+                statuses[owner].append((mutant, status))
+        results = []
+        for module in modules:
+            survivors = []
+            for mutant, status in statuses[module]:
+                if status == "killed":
+                    continue
+                diff = subprocess.run([mutmut, "show", mutant], cwd=work, capture_output=True, text=True).stdout
+                survivors.append({"name": mutant, "status": status,
                                   "diff": [d for d in diff.splitlines()
                                            if d[:1] in "+-" and not d.startswith(("+++", "---"))]})
-    result = {"module": module, "tests": MODULES[module], "seconds": round(time.time() - t0), **stats,
-              "not_killed": survivors}
-    (out / (module.replace("/", ".") + ".json")).write_text(json.dumps(result, indent=1))
-    return result
+            result = {"module": module, "tests": tests, "seconds": round(time.time() - t0),
+                      **_counts([s for _, s in statuses[module]]), "not_killed": survivors}
+            if not statuses[module]:
+                result["error"] = f"no mutant checked; see {name}.log"
+            (out / (module.replace("/", ".") + ".json")).write_text(json.dumps(result, indent=1))
+            results.append(result)
+    return results
 
 
 def report(out: Path) -> str:
@@ -145,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "out" / "mutation"), help="folder for the per-module JSON and logs")
     ap.add_argument("--list", action="store_true", help="print the modules and their test subsets")
     ap.add_argument("--report", action="store_true", help="print a markdown report of the JSONs in --out")
+    ap.add_argument("--together", action="store_true",
+                    help="mutate the given modules in one run (one stats run; the GPU host's way to save time)")
+    ap.add_argument("--tests", nargs="+", default=None, help="test files or ids instead of the modules' subsets")
+    ap.add_argument("--max-children", type=int, default=None, help="mutants tested at once (mutmut's default: cores)")
+    ap.add_argument("--seconds", type=float, default=None, help="stop mutmut after this long and report what it checked")
     ap.add_argument("--only", nargs="+", default=None, metavar="GLOB",
                     help="mutant names to run (mutmut's fnmatch patterns, e.g. 'kernels.fp8.x_scaled_mm*'); others "
                          "are left unchecked and out of the JSON")
@@ -164,11 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("mutmut is not installed: pip install -e '.[test]'")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    for module in a.modules or list(MODULES):
-        r = run_module(module, out, mutmut, a.only)
-        total = r.get("total", 0)
-        killed = r.get("killed", 0)
-        print(f"{module}: {killed}/{total} killed, {len(r['not_killed'])} not killed, {r['seconds']} s", flush=True)
+    modules = a.modules or list(MODULES)
+    for group in ([modules] if a.together else [[m] for m in modules]):
+        for r in run_modules(group, out, mutmut, a.only, a.tests, a.max_children, a.seconds):
+            print(f"{r['module']}: {r.get('killed', 0)}/{r.get('total', 0)} killed, {len(r['not_killed'])} not killed, "
+                  f"{r['seconds']} s", flush=True)
     return 0
 
 
