@@ -8,8 +8,13 @@ have the caller's exact layout (shape, strides, dtype, 16-byte alignment class),
 forward made while it was captured (ExactGate verdicts, GELU per-shape dispatch, Triton specialisations) is the one
 eager would make for the caller's tensors.
 
+Tensor parallelism: a sharded transformer's collectives are captured with the kernels where the group's backend
+allows it (NCCL: the whole step is one graph); otherwise (gloo, the shared-GPU test mode) each collective ends a
+graph segment and runs eagerly between two replayed segments, on the same buffers (`model.linear`'s
+`collectives_between_graphs`). Every rank captures and replays the same segments, so the collectives still meet.
+
 Keying: shapes/strides/dtypes/device of every tensor argument, which optional arguments are None, the plain
-arguments (`return_dict`, ...), a caller-provided `mode` (the pipeline passes the quality tier and the numbers of
+arguments (`return_dict`, ...), the model's TP rank and world size, a caller-provided `mode` (the pipeline passes the quality tier and the numbers of
 mounted GELU sites and fast-norm sites: a mounted transformer runs other kernels), and global switches read at run time (kernel fast
 paths, SDPA backends, matmul precision, determinism). Per key, the first call runs the eager forward twice (where the
 ExactGate verdicts and the GELU timing decisions are taken, and cuBLAS/Triton/cuDNN set themselves up), captures a
@@ -30,6 +35,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from kernels import switches
+from model.linear import collectives_between_graphs, parallel_of
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +107,16 @@ class _StaticInput:
         self.base.copy_(_compact(value))
 
 
-class _CapturedStep:
-    """One captured forward: its static inputs, the graph and the graph's static output."""
+Segment = tuple[torch.cuda.CUDAGraph, Callable[[], object] | None]
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, device: torch.device, inputs: dict[str, _StaticInput],
+
+class _CapturedStep:
+    """One captured forward: its static inputs, its graph segments (each followed by the collective that ended it,
+    if any; one segment when nothing split it) and the static output."""
+
+    def __init__(self, segments: list[Segment], device: torch.device, inputs: dict[str, _StaticInput],
                  output: Any) -> None:
-        self.graph = graph
+        self.segments = segments
         self.device = device
         self.inputs = inputs
         self.output = output
@@ -115,13 +125,18 @@ class _CapturedStep:
         with torch.cuda.device(self.device):
             for name, static in self.inputs.items():
                 static.fill(kwargs[name])  # on the caller's stream, like the replay
-            self.graph.replay()
+            for graph, collective in self.segments:
+                graph.replay()
+                if collective is not None:
+                    collective()
         # A clone: the next replay overwrites the static output, and diffusers may still hold this one (true CFG
         # runs the transformer twice per step).
         return tree_map_only(torch.Tensor, torch.Tensor.clone, self.output)
 
     def release(self) -> None:
-        self.graph.reset()
+        for graph, _ in self.segments:
+            graph.reset()
+        self.segments = []
         self.inputs.clear()
         self.output = None
 
@@ -157,12 +172,14 @@ class StepGraphs:
         self._eager_keys: set[tuple] = set()  # signatures whose capture failed: eager for good
         self._pool: Any = None  # one pool for all graphs: replays are serialised, so their temporaries can overlap
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._parallel: dict[int, tuple[int, int]] = {}  # id(transformer) -> (TP rank, world size)
         self._lock = threading.Lock()
 
     def stats(self) -> dict[str, Any]:
         return {"graphs": len(self._graphs), "max_graphs": self.max_graphs, "captures": self.captures,
                 "replays": self.replays, "eager_fallbacks": self.eager_fallbacks, "evictions": self.evictions,
-                "capture_failures": self.capture_failures, "fallback_reasons": dict(self.fallback_reasons)}
+                "capture_failures": self.capture_failures, "fallback_reasons": dict(self.fallback_reasons),
+                "segments": sum(len(step.segments) for step in self._graphs.values())}
 
     def reset(self) -> None:
         """Drop every graph (and the eager-only marks): needed after weights are replaced, not updated in place."""
@@ -173,6 +190,7 @@ class StepGraphs:
             self._eager_keys.clear()
             self._pool = None
             self._streams.clear()
+            self._parallel.clear()
 
     # -- policy ------------------------------------------------------------------------------------------------
 
@@ -213,9 +231,13 @@ class StepGraphs:
                     return reason
         return None
 
-    def key(self, kwargs: dict[str, Any]) -> tuple:
+    def key(self, kwargs: dict[str, Any], module: torch.nn.Module | None = None) -> tuple:
         """The graph key of a call (no device check: see `eager_reason`)."""
-        return (self.mode, _kernel_state(), tuple((name, _describe(kwargs[name])) for name in sorted(kwargs)))
+        parallel = (0, 1) if module is None else self._parallel.get(id(module))
+        if parallel is None:  # looked up once per transformer: sharding replaces weights, which needs reset() anyway
+            parallel = self._parallel[id(module)] = parallel_of(module)
+        return (self.mode, parallel, _kernel_state(),
+                tuple((name, _describe(kwargs[name])) for name in sorted(kwargs)))
 
     # -- running -----------------------------------------------------------------------------------------------
 
@@ -224,7 +246,7 @@ class StepGraphs:
         reason = self.eager_reason(module, kwargs)
         if reason is not None:
             return self._eager(eager, kwargs, reason)
-        key = self.key(kwargs)
+        key = self.key(kwargs, module)
         with self._lock:
             if key in self._eager_keys:
                 return self._eager(eager, kwargs, "capture_failed")
@@ -290,11 +312,34 @@ class StepGraphs:
                         eager(**static_kwargs)
                 except Exception as exc:
                     raise _WarmupError() from exc
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    output = eager(**static_kwargs)
+                segments, output = _capture_segments(lambda: eager(**static_kwargs), self._pool)
             caller.wait_stream(stream)
-        return _CapturedStep(graph, device, inputs, output)
+        return _CapturedStep(segments, device, inputs, output)
+
+
+def _capture_segments(run: Callable[[], Any], pool: Any) -> tuple[list[Segment], Any]:
+    """`run()` captured on the current stream into graphs sharing `pool`: one graph, or one per stretch between
+    collectives that cannot be captured (each kept to run after its segment). Replayed in capture order, a segment
+    finds the buffers of the ones before it where they were, since they all allocate from one pool."""
+    segments: list[Segment] = []
+    graph = torch.cuda.CUDAGraph()
+
+    def split(collective: Callable[[], object]) -> None:
+        nonlocal graph
+        graph.capture_end()
+        segments.append((graph, collective))
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=pool)
+
+    torch.cuda.synchronize()  # as torch.cuda.graph does: no work of before may run into the capture
+    graph.capture_begin(pool=pool)
+    try:
+        with collectives_between_graphs(split):
+            output = run()
+    finally:
+        graph.capture_end()  # also when `run` raised: the stream must leave capture mode
+    segments.append((graph, None))
+    return segments, output
 
 
 class _WarmupError(Exception):
@@ -302,6 +347,6 @@ class _WarmupError(Exception):
 
 
 def _short_key(key: tuple) -> str:
-    mode, _, args = key
+    mode, (rank, world), _, args = key
     shapes = {name: desc[1] for name, desc in args if isinstance(desc, tuple) and desc[0] == "tensor"}
-    return f"mode={mode!r} shapes={shapes}"
+    return f"mode={mode!r} shapes={shapes}" + (f" rank {rank}/{world}" if world > 1 else "")

@@ -18,8 +18,10 @@ because TP=1's GEMM also accumulates the bias before its single rounding.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,22 +34,47 @@ from kernels import fp8 as fp8_ops
 # Collectives (every one the layers make goes through these three: tests replace them)
 # ---------------------------------------------------------------------------------------------------------------
 
+# Set by a CUDA-graph capture (model.graphs) that cannot hold a group's collectives: `split(op)` ends the graph
+# segment being captured, keeps `op` to run between that segment and the next at replay, and starts the next one.
+_SPLIT: ContextVar[Callable[[Callable[[], object]], None] | None] = ContextVar("fluxserve_collective_split",
+                                                                              default=None)
+
+
+@contextmanager
+def collectives_between_graphs(split: Callable[[Callable[[], object]], None]) -> Iterator[None]:
+    """While a graph is captured: each collective of a group whose backend cannot be captured (gloo: the host does
+    the work) is handed to `split` instead of running; NCCL collectives are captured with the kernels."""
+    token = _SPLIT.set(split)
+    try:
+        yield
+    finally:
+        _SPLIT.reset(token)
+
+
+def _collective(op: Callable[[], object], group: dist.ProcessGroup | None) -> None:
+    split = _SPLIT.get()
+    if split is None or dist.get_backend(group) == "nccl":
+        op()
+    else:
+        split(op)  # its inputs and outputs are already allocated: the graphs around it read and write them in place
+
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """In-place sum across the group."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    _collective(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group), group)
     return tensor
 
 
 def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """In-place maximum across the group."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    _collective(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group), group)
     return tensor
 
 
 def all_gather_last_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None, world_size: int) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(world_size)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
+    local = tensor.contiguous()
+    _collective(lambda: dist.all_gather(parts, local, group=group), group)
     return torch.cat(parts, dim=-1)
 
 
@@ -363,6 +390,14 @@ def _unshard(per_rank: Sequence[torch.Tensor], blocks: Sequence[int], world: int
         out.extend(part.narrow(dim, start, n) for part in per_rank)
         start += n
     return torch.cat(out, dim=dim)
+
+
+def parallel_of(model: nn.Module) -> tuple[int, int]:
+    """(rank, world size) of a model's sharded layers; (0, 1) when none is sharded."""
+    for m in model.modules():
+        if isinstance(m, Linear) and m.parallel.world > 1:
+            return m.parallel.rank, m.parallel.world
+    return 0, 1
 
 
 def is_fp8(layer: nn.Module | None) -> bool:

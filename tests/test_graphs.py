@@ -149,6 +149,7 @@ class _StandInStep:
     def __init__(self, eager: Any) -> None:
         self.eager = eager
         self.released = False
+        self.segments = [(None, None)]  # one graph, no collective between segments
 
     def replay(self, kwargs: dict[str, Any]) -> Any:
         assert not self.released
@@ -375,11 +376,18 @@ def test_cuda_graphs_config_both_pools_on_cuda() -> None:
     assert not AppArgs.parse(None).pools["lossless"].cuda_graphs  # off by default
 
 
+def test_cuda_graphs_at_tp_2_take_the_whole_high_set() -> None:
+    """At tp > 1 graphs are admitted (the collectives are captured, or run between graph segments), and with them
+    the high pool's defaults include 8-bit attention, as at tp 1."""
+    args = AppArgs.parse({"device": "cuda", "pools": {"high": {"cuda_graphs": True, "tp": 2},
+                                                      "lossless": {"cuda_graphs": True, "tp": 4}}})
+    high = args.pools["high"]
+    assert high.tp == 2 and high.cuda_graphs and high.fp8 and high.fused_projections and high.fast_norm
+    assert high.attention8 and args.pools["lossless"].cuda_graphs and args.pools["lossless"].tp == 4
+    assert args.form("high").techniques() >= {"cuda_graphs", "attention8", "fp8", "fused_projections", "fast_norm"}
+
+
 @pytest.mark.parametrize("raw, message", [
-    ({"device": "cuda", "pools": {"high": {"cuda_graphs": True, "tp": 2}}},
-     r"args\.pools\.high\.cuda_graphs is not supported with tp > 1"),
-    ({"device": "cuda", "pools": {"lossless": {"cuda_graphs": True, "tp": 4}}},
-     r"args\.pools\.lossless\.cuda_graphs is not supported with tp > 1"),
     ({"device": "cpu", "pools": {"lossless": {"cuda_graphs": True}}},
      r"args\.pools\.lossless\.cuda_graphs needs device: cuda .*'cpu'"),
     ({"pools": {"high": {"cuda_graphs": True}}}, r"args\.pools\.high\.cuda_graphs needs device: cuda"),

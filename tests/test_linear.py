@@ -396,3 +396,56 @@ def test_stacked_column_layers_hold_the_asked_method_and_refuse_gathering(collec
 
     for stacked in _spmd(2, rank):
         assert stacked.weight.dtype == E4M3 and stacked.weight_scale.shape == (1, 32)
+
+
+def test_collectives_split_a_graph_capture_only_where_the_backend_cannot_be_captured(monkeypatch) -> None:
+    """While a CUDA graph is captured (`collectives_between_graphs`), a gloo collective is handed to the capture's
+    `split` instead of running (it runs between two replayed segments, on the same buffers), and an NCCL one runs
+    inside the capture. Bugs caught: a collective run during a gloo capture (it would read buffers the captured
+    kernels have not written), one handed over with a copy of its buffers (the replayed graphs would never see the
+    result), an NCCL collective split (a whole-step graph cut into 114 pieces), a gather whose output the split
+    collective does not fill."""
+    calls: list[str] = []
+
+    def fake_all_reduce(t, op, group):
+        calls.append("reduce")
+        t.mul_(2)  # as if a second rank held the same values
+
+    def fake_all_gather(parts, t, group):
+        calls.append("gather")
+        for p in parts:
+            p.copy_(t)
+
+    backend = {"name": "gloo"}
+    monkeypatch.setattr(L.dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(L.dist, "all_gather", fake_all_gather)
+    monkeypatch.setattr(L.dist, "get_backend", lambda group: backend["name"])
+    kept: list = []
+    x = torch.ones(3)
+    with L.collectives_between_graphs(kept.append):
+        assert L.all_reduce_sum(x, None) is x and calls == [] and torch.equal(x, torch.ones(3))
+        gathered = L.all_gather_last_dim(torch.full((2, 1), 5.0), None, 2)
+        assert calls == [] and len(kept) == 2
+        kept[0]()
+        kept[1]()
+        assert torch.equal(x, torch.full((3,), 2.0))  # reduced in place, where the next segment reads it
+        # the gather's parts were allocated before the split: the concatenation (the next segment) reads them
+        assert gathered.shape == (2, 2) and calls == ["reduce", "gather"]
+        backend["name"] = "nccl"
+        L.all_reduce_sum(x, None)
+        assert calls[-1] == "reduce" and len(kept) == 2 and torch.equal(x, torch.full((3,), 4.0))
+    backend["name"] = "gloo"
+    L.all_reduce_sum(x, None)  # no capture: runs
+    assert calls[-1] == "reduce" and len(kept) == 2 and torch.equal(x, torch.full((3,), 8.0))
+
+
+def test_a_models_parallel_signature_is_its_sharded_layers_rank_and_world(collectives) -> None:  # noqa: F811
+    full = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    assert L.parallel_of(full) == (0, 1)
+
+    def rank(r: int, g) -> tuple[int, int]:
+        model = nn.Sequential(L.Linear.from_linears([full[0]], parallel=L.Column(r, 2, g)),
+                              L.Linear.from_linears([full[1]], parallel=L.Row(r, 2, g)))
+        return L.parallel_of(model)
+
+    assert _spmd(2, rank) == [(0, 2), (1, 2)]
