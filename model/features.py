@@ -88,8 +88,7 @@ FEATURES: tuple[Feature, ...] = (
             excludes={"fused_projections": _COMPILE_SLOWER, "fp8": _COMPILE_SLOWER, "attention8": _COMPILE_SLOWER,
                       "cuda_graphs": "a compiled batch never replays graphs"}),
     Feature("cuda_graphs", "each transformer step replayed from a CUDA graph (bit-identical to eager)", exact=True,
-            scope="replica", where="pool", devices=("cuda",), elsewhere="config",
-            tp_refusal="the ranks' collectives are not captured"),
+            scope="replica", where="pool", devices=("cuda",), elsewhere="config"),
     Feature("step_cache", "First-Block step cache: a step whose first block changed little reuses the rest's "
             "residual", exact=False, scope="batch", where="pool", option="step_cache_threshold", option_type=float),
     Feature("lora", "LoRA adapters loaded once, switched on per batch as requests name them", exact=True,
