@@ -312,33 +312,40 @@ class StepGraphs:
                         eager(**static_kwargs)
                 except Exception as exc:
                     raise _WarmupError() from exc
-                segments, output = _capture_segments(lambda: eager(**static_kwargs), self._pool)
+                segments, output = _capture_segments(lambda: eager(**static_kwargs), self._pool, stream)
             caller.wait_stream(stream)
         return _CapturedStep(segments, device, inputs, output)
 
 
-def _capture_segments(run: Callable[[], Any], pool: Any) -> tuple[list[Segment], Any]:
-    """`run()` captured on the current stream into graphs sharing `pool`: one graph, or one per stretch between
-    collectives that cannot be captured (each kept to run after its segment). Replayed in capture order, a segment
-    finds the buffers of the ones before it where they were, since they all allocate from one pool."""
+def _capture_segments(run: Callable[[], Any], pool: Any, stream: torch.cuda.Stream) -> tuple[list[Segment], Any]:
+    """`run()` captured on `stream` into graphs sharing `pool`: one graph, or one per stretch between collectives
+    that cannot be captured (each kept to run after its segment). Replayed in capture order, a segment finds the
+    buffers of the ones before it where they were, since they all allocate from one pool. Each segment is captured
+    by `torch.cuda.graph` itself (its synchronisation and allocator housekeeping before each capture)."""
     segments: list[Segment] = []
-    graph = torch.cuda.CUDAGraph()
+    current: list = []  # [graph, its open torch.cuda.graph context]
+
+    def begin() -> None:
+        graph = torch.cuda.CUDAGraph()
+        context = torch.cuda.graph(graph, pool=pool, stream=stream)
+        context.__enter__()
+        current[:] = [graph, context]
 
     def split(collective: Callable[[], object]) -> None:
-        nonlocal graph
-        graph.capture_end()
+        graph, context = current
+        context.__exit__(None, None, None)
         segments.append((graph, collective))
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=pool)
+        begin()
 
-    torch.cuda.synchronize()  # as torch.cuda.graph does: no work of before may run into the capture
-    graph.capture_begin(pool=pool)
+    begin()
     try:
         with collectives_between_graphs(split):
             output = run()
-    finally:
-        graph.capture_end()  # also when `run` raised: the stream must leave capture mode
-    segments.append((graph, None))
+    except BaseException as exc:
+        current[1].__exit__(type(exc), exc, exc.__traceback__)  # the stream must leave capture mode
+        raise
+    current[1].__exit__(None, None, None)
+    segments.append((current[0], None))
     return segments, output
 
 

@@ -107,7 +107,7 @@ def run_modules(modules: list[str], out: Path, mutmut: str, only: list[str] | No
     then write one JSON per module. After `seconds` mutmut is stopped and the mutants it checked are reported."""
     t0 = time.time()
     tests = tests or list(dict.fromkeys(t for m in modules for t in MODULES[m]))
-    name = "+".join(m.replace("/", ".") for m in modules)
+    name = modules[0].replace("/", ".") + (f"+{len(modules) - 1}" if len(modules) > 1 else "")
     with tempfile.TemporaryDirectory(prefix="fluxserve-mutate-") as tmp:
         work = Path(tmp)
         _copy_checkout(work)
