@@ -375,6 +375,156 @@ def test_gelu_dispatch_never_times_inside_a_cuda_graph_capture(monkeypatch, capl
     assert G._choose_impl(x2d, layer.weight, layer.bias) == "cublaslt"
 
 
+class _FakeImpls:
+    """Candidate GELU implementations on the CPU, each recording its name when called: the unfused pair, a fast
+    one (close), a slow one whose name sorts first, one that is wrong by 10 %, one that fails."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def make(self, name: str, scale: float = 1.0, fail: bool = False):
+        def impl(x, weight, bias):
+            assert bias is not None, f"{name} called without the bias"
+            self.calls.append(name)
+            if fail:
+                raise RuntimeError("boom")
+            return G._unfused(x, weight, bias) * scale
+        return impl
+
+
+@pytest.fixture
+def fake_dispatch(monkeypatch):
+    """GELU_IMPLS replaced by `_FakeImpls`, candidates in a fixed order, and `_time_impl` answering from `times`
+    (ms per impl) for the impl its callable runs."""
+    impls = _FakeImpls()
+    table = {"unfused": impls.make("unfused"), "zippy": impls.make("zippy", 1.0001),
+             "another": impls.make("another", 1.0001), "wrong": impls.make("wrong", 1.1),
+             "broken": impls.make("broken", fail=True)}
+    monkeypatch.setattr(G, "GELU_IMPLS", table)
+    monkeypatch.setenv("FLUXSERVE_GELU_CANDIDATES", "unfused,wrong,broken,another,zippy")
+    monkeypatch.delenv("FLUXSERVE_GELU_IMPL", raising=False)
+    times = {"unfused": 1.0, "another": 0.8, "zippy": 0.5}
+
+    def timed(fn):
+        fn()
+        return times[impls.calls[-1]]
+
+    monkeypatch.setattr(G, "_time_impl", timed)
+    G.clear_gelu_dispatch_cache()
+    yield impls, times
+    G.clear_gelu_dispatch_cache()
+
+
+def _gelu_operands():
+    layer = _linear(torch.float32)
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(1)) * 4, layer.weight, layer.bias
+
+
+def test_gelu_dispatch_keeps_the_fastest_correct_candidate_and_says_why_not_the_others(fake_dispatch) -> None:
+    """Bugs caught: the relative difference taken against the wrong norm, a wrong candidate timed anyway, a
+    rejection that stops the loop, the fastest picked by name instead of time, a timed callable that does not
+    run the candidate on the real operands (the bias dropped), the reasons not recorded."""
+    impls, times = fake_dispatch
+    best, timings = G._decide_by_timing(*_gelu_operands())
+    assert best == "zippy"
+    assert timings["wrong"] == "rejected: rel diff 1.00e-01"
+    assert timings["broken"] == "failed: RuntimeError: boom"
+    assert timings["unfused"] == 1.0 and timings["another"] == 0.8 and timings["zippy"] == 0.5
+    assert set(timings) == {"unfused", "wrong", "broken", "another", "zippy"}
+
+
+@pytest.mark.parametrize("zippy, expected", [(0.995, "unfused"), (0.99, "zippy"), (1.5, "unfused")])
+def test_gelu_dispatch_swaps_numerics_only_for_a_real_gain(fake_dispatch, zippy: float, expected: str) -> None:
+    """A candidate must beat the unfused pair by 1 % (`_MIN_GAIN`): within that, timing noise would swap
+    numerics for nothing. Bugs caught: the condition inverted, `>=` for `>`, the fallback name misspelt."""
+    impls, times = fake_dispatch
+    times.update(another=2.0, zippy=zippy)
+    assert G._decide_by_timing(*_gelu_operands())[0] == expected
+
+
+def test_gelu_dispatch_decides_once_per_shape_and_logs_its_timings(fake_dispatch, monkeypatch, caplog) -> None:
+    """`_choose_impl` times a shape once (later calls read the cached choice), keeps the timings behind it for
+    `gelu_dispatch_timings`, and logs them in microseconds. Bugs caught: no cache (every call times again), the
+    timings not kept, the bias not passed to the timing, the log's unit."""
+    impls, _ = fake_dispatch
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    x2d, weight, bias = _gelu_operands()
+    with caplog.at_level(logging.INFO, logger=G.__name__):
+        assert G._choose_impl(x2d, weight, bias) == "zippy"
+    key = (6, 12, 8, torch.float32, None)
+    assert G.gelu_dispatch_table() == {key: "zippy"}
+    timings = G.gelu_dispatch_timings()
+    assert timings[key]["zippy"] == 0.5 and timings[key]["wrong"].startswith("rejected")
+    assert any("'zippy': '500.0us'" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    n = len(impls.calls)
+    assert G._choose_impl(x2d, weight, bias) == "zippy" and len(impls.calls) == n  # cached: nothing runs again
+    assert kernels.fused_linear_gelu_tanh(x2d, weight, bias).shape == (6, 12)  # the CPU never dispatches
+    assert len(impls.calls) == n
+
+
+@pytest.mark.parametrize("cached, expected", [(None, "cublaslt"), ("unfused", "unfused"), ("cublaslt", "cublaslt"),
+                                              ("triton_tma", "cublaslt")])
+def test_gelu_dispatch_inside_a_trace_takes_a_traceable_choice_without_timing(monkeypatch, cached, expected) -> None:
+    """Under torch.compile: the eager decision if traceable, else the cuBLASLt epilogue; never timed, nothing
+    cached. Bugs caught: the traceable test inverted, the fallback misnamed, a cache lookup by the wrong key."""
+    x2d, weight, bias = _gelu_operands()
+    G.clear_gelu_dispatch_cache()
+    if cached is not None:
+        G._gelu_choice[(6, 12, 8, torch.float32, None)] = cached
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(G, "_decide_by_timing", lambda *_a: pytest.fail("timed inside a trace"))
+    try:
+        assert G._choose_impl(x2d, weight, bias) == expected
+    finally:
+        G.clear_gelu_dispatch_cache()
+
+
+def test_gelu_timing_is_the_median_per_call_after_a_warm_up(monkeypatch) -> None:
+    """`_time_impl`: 3 untimed warm-up calls, 7 timed batches of 4 back-to-back calls, the median per call. Bugs
+    caught: other counts, the batch time multiplied instead of divided, another order statistic."""
+    elapsed = iter([40.0, 8.0, 12.0, 4.0, 28.0, 16.0, 20.0])  # ms per batch: per call 10, 2, 3, 1, 7, 4, 5
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end) -> float:
+            return next(elapsed)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    calls = []
+    assert G._time_impl(lambda: calls.append(1)) == 4.0
+    assert len(calls) == 3 + 7 * 4
+
+
+def test_a_gelu_site_checks_the_input_it_is_given(fake_cuda_gelu, monkeypatch) -> None:
+    """A mounted site runs the fused call only where the dynamic check passes on the call's input: an input whose
+    dtype differs from the weight's runs the unfused pair. Bug caught: the site checking the layer only (the input
+    dropped from the check). Also the refusal of a layer that gathers its output names its type."""
+    from kernels import sites
+
+    module = nn.Module()
+    module.proj = _linear(torch.bfloat16)
+    sites.mark(module, f"{G.GROUP}:proj")
+    sites.switch(module, {G.GROUP: True})
+    fused = []
+    monkeypatch.setattr(G, "fused_linear_gelu_tanh", lambda x, w, b: fused.append(x.dtype) or F.gelu(F.linear(x, w, b)))
+    G.gelu_site(module, "proj", torch.randn(3, 8).to(torch.bfloat16))
+    assert fused == [torch.bfloat16]
+    x = torch.randn(3, 8).half()
+    with pytest.raises(RuntimeError):  # the unfused pair runs the layer as it is: fp16 input, bf16 weight
+        G.gelu_site(module, "proj", x)
+    assert fused == [torch.bfloat16]
+    ok, why = kernels.can_fuse_linear_gelu(_column(gather_output=True, world=2))
+    assert why.startswith("Linear does not compute F.linear(x, weight, bias) locally (")
+
+
 # ---------------------------------------------------------------- GELU: site protocol
 
 

@@ -178,6 +178,10 @@ def test_diffusers_reference_matches_lossless(tiny_pipe) -> None:
     latents, pngs = run_flux_pipeline(ref, [req])
     res = tiny_pipe.generate([req])[0]
     assert torch.equal(res.latents, latents[0]) and res.png == pngs[0]
+    # no progress bar unless asked (a replica's log would fill with one per batch), and one named by the batch if so
+    assert ref._progress_bar_config == {"disable": True, "desc": f"lossless {req.width}x{req.height}"}
+    run_flux_pipeline(ref, [req], progress=True)
+    assert ref._progress_bar_config == {"disable": False, "desc": f"lossless {req.width}x{req.height}"}
 
 
 def test_png_is_deterministic_and_metadata_free(tiny_pipe) -> None:
