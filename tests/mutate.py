@@ -142,12 +142,35 @@ def run_modules(modules: list[str], out: Path, mutmut: str, only: list[str] | No
                                   "diff": [d for d in diff.splitlines()
                                            if d[:1] in "+-" and not d.startswith(("+++", "---"))]})
             result = {"module": module, "tests": tests, "seconds": round(time.time() - t0),
-                      **_counts([s for _, s in statuses[module]]), "not_killed": survivors}
+                      **_counts([s for _, s in statuses[module]]), "not_killed": survivors,
+                      # every checked mutant's status, so runs of one module (CPU, GPU) can be merged by name
+                      "statuses": dict(statuses[module])}
             if not statuses[module]:
                 result["error"] = f"no mutant checked; see {name}.log"
             (out / (module.replace("/", ".") + ".json")).write_text(json.dumps(result, indent=1))
             results.append(result)
     return results
+
+
+def merged(folders: list[Path]) -> dict[str, dict]:
+    """Per module, the union of several runs' JSONs (e.g. a CPU run and a GPU run of the CUDA-only functions): a
+    mutant counts as killed when any run killed it. Runs without per-mutant statuses contribute their survivors only."""
+    modules: dict[str, dict] = {}
+    for folder in folders:
+        for f in sorted(folder.glob("*.json")):
+            r = json.loads(f.read_text())
+            m = modules.setdefault(r["module"], {"statuses": {}, "diffs": {}})
+            for name, status in r.get("statuses", {}).items():
+                if m["statuses"].get(name) != "killed":
+                    m["statuses"][name] = status
+            for s in r["not_killed"]:
+                m["diffs"][s["name"]] = s["diff"]
+                m["statuses"].setdefault(s["name"], s["status"])
+    for m in modules.values():
+        m["not_killed"] = [{"name": n, "status": s, "diff": m["diffs"].get(n, [])}
+                           for n, s in sorted(m["statuses"].items()) if s != "killed"]
+        m.update(_counts(list(m["statuses"].values())))
+    return modules
 
 
 def report(out: Path) -> str:
@@ -175,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "out" / "mutation"), help="folder for the per-module JSON and logs")
     ap.add_argument("--list", action="store_true", help="print the modules and their test subsets")
     ap.add_argument("--report", action="store_true", help="print a markdown report of the JSONs in --out")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="FOLDER",
+                    help="print, per module, the union of the runs in these folders (killed in any run: killed)")
     ap.add_argument("--together", action="store_true",
                     help="mutate the given modules in one run (one stats run; the GPU host's way to save time)")
     ap.add_argument("--tests", nargs="+", default=None, help="test files or ids instead of the modules' subsets")
@@ -186,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.report:
         print(report(Path(a.out)), end="")
+        return 0
+    if a.merge:
+        for module, m in sorted(merged([Path(f) for f in a.merge]).items()):
+            print(f"{module}: {m.get('killed', 0)}/{m['total']} killed; not killed: "
+                  + (", ".join(f"{x['name'].rsplit('.', 1)[-1]} ({x['status']})" for x in m["not_killed"]) or "none"))
         return 0
     if a.list:
         for module, tests in MODULES.items():
