@@ -406,8 +406,10 @@ def fake_dispatch(monkeypatch):
     times = {"unfused": 1.0, "another": 0.8, "zippy": 0.5}
 
     def timed(fn):
-        fn()
-        return times[impls.calls[-1]]
+        impls.calls.clear()
+        fn()  # the timed callable must run the candidate
+        (name,) = impls.calls
+        return times[name]
 
     monkeypatch.setattr(G, "_time_impl", timed)
     G.clear_gelu_dispatch_cache()
@@ -433,12 +435,13 @@ def test_gelu_dispatch_keeps_the_fastest_correct_candidate_and_says_why_not_the_
     assert set(timings) == {"unfused", "wrong", "broken", "another", "zippy"}
 
 
-@pytest.mark.parametrize("zippy, expected", [(0.995, "unfused"), (0.99, "zippy"), (1.5, "unfused")])
+@pytest.mark.parametrize("zippy, expected", [(1.99, "unfused"), (1.98, "zippy"), (1.5, "zippy"), (3.0, "unfused")])
 def test_gelu_dispatch_swaps_numerics_only_for_a_real_gain(fake_dispatch, zippy: float, expected: str) -> None:
-    """A candidate must beat the unfused pair by 1 % (`_MIN_GAIN`): within that, timing noise would swap
-    numerics for nothing. Bugs caught: the condition inverted, `>=` for `>`, the fallback name misspelt."""
+    """A candidate must beat the unfused pair (2 ms here) by 1 % (`_MIN_GAIN`): within that, timing noise would
+    swap numerics for nothing. Bugs caught: the condition inverted, `>=` for `>`, the gain divided instead of
+    multiplied, the fallback name misspelt."""
     impls, times = fake_dispatch
-    times.update(another=2.0, zippy=zippy)
+    times.update(unfused=2.0, another=4.0, zippy=zippy)
     assert G._decide_by_timing(*_gelu_operands())[0] == expected
 
 
@@ -514,13 +517,17 @@ def test_a_gelu_site_checks_the_input_it_is_given(fake_cuda_gelu, monkeypatch) -
     sites.mark(module, f"{G.GROUP}:proj")
     sites.switch(module, {G.GROUP: True})
     fused = []
-    monkeypatch.setattr(G, "fused_linear_gelu_tanh", lambda x, w, b: fused.append(x.dtype) or F.gelu(F.linear(x, w, b)))
+    monkeypatch.setattr(G, "fused_linear_gelu_tanh",
+                        lambda x, w, b: fused.append((x.dtype, b is module.proj.bias)) or F.gelu(F.linear(x, w, b)))
     G.gelu_site(module, "proj", torch.randn(3, 8).to(torch.bfloat16))
-    assert fused == [torch.bfloat16]
+    assert fused == [(torch.bfloat16, True)]
     x = torch.randn(3, 8).half()
     with pytest.raises(RuntimeError):  # the unfused pair runs the layer as it is: fp16 input, bf16 weight
         G.gelu_site(module, "proj", x)
-    assert fused == [torch.bfloat16]
+    assert fused == [(torch.bfloat16, True)]
+    # an input on another (supported) device than the weight's is refused too
+    ok, why = kernels.can_fuse_linear_gelu(module.proj, torch.empty(3, 8, dtype=torch.bfloat16, device="meta"))
+    assert (ok, why) == (False, "input on meta (weight on cpu)")
     ok, why = kernels.can_fuse_linear_gelu(_column(gather_output=True, world=2))
     assert why.startswith("Linear does not compute F.linear(x, weight, bias) locally (")
 
