@@ -97,13 +97,6 @@ def shape_refusal(in_features: int, out_features: int) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (fp8 [N, K], fp32 scale [1, N]): one scale per output channel (a weight row), amax mapped to
-    FP8_MAX, exactly as activation rows are quantized."""
-    q, scale = quantize_rows_eager(weight.detach())
-    return q, scale.t().contiguous()
-
-
 def to_fp8(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x in e4m3 with `amax` (broadcasting against x: a row's, a channel's) mapped to FP8_MAX, saturating; and the
     fp32 scale that multiplies it back."""

@@ -456,9 +456,10 @@ def test_weight_only_kernel_in_the_interpreter_equals_its_eager_twin() -> None:
 _WEIGHT_ONLY_IN_INTERPRETER = """
 import torch
 from kernels import _fp8_triton as T
-from kernels.fp8 import quantize_weight, weight_only_linear_eager
+from kernels.fp8 import quantize_rows_eager, weight_only_linear_eager
 torch.manual_seed(0)
-w, ws = quantize_weight(torch.randn(80, 200))
+w, ws = quantize_rows_eager(torch.randn(80, 200))
+ws = ws.t().contiguous()
 bias = torch.randn(80).bfloat16()
 for rows, b in ((1, bias), (3, None), (16, bias)):
     x = torch.randn(rows, 200).bfloat16()
@@ -673,16 +674,24 @@ def test_fast_accumulation_starts_at_its_row_count_and_follows_its_switch() -> N
     (True, (9, 0), torch.float16, True, "fp8 GEMMs with row-wise scales write bf16; the model is torch.float16"),
     (True, (10, 0), torch.float32, True, "fp8 GEMMs with row-wise scales write bf16; the model is torch.float32"),
     (True, (9, 0), torch.bfloat16, False, "this torch has no torch._scaled_mm"),
+    (True, (9, 0), torch.bfloat16, "no triton", "triton is not installed"),
 ])
-def test_fp8_refusal_reasons_in_order(monkeypatch, cuda: bool, capability, dtype, scaled_mm: bool,
+def test_fp8_refusal_reasons_in_order(monkeypatch, cuda: bool, capability, dtype, scaled_mm: bool | str,
                                       reason: str | None) -> None:
     """The refusal rule on a CUDA device as this CPU machine pretends to see one (availability, compute capability
-    from 8.9, bf16 only, `torch._scaled_mm` present), each reason whole; the CPU's own refusal names the device."""
+    from 8.9 asked of the model's device, bf16 only, `torch._scaled_mm` present, Triton installed), each reason
+    whole; the CPU's own refusal names the device. The pretended GPU 0 is too old: a rule that asked the current
+    device instead of the model's (GPU 1) would refuse."""
+    import sys
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    if not scaled_mm:
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device=None: capability if device == torch.device("cuda", 1) else (7, 0))
+    if scaled_mm is False:
         monkeypatch.delattr(torch, "_scaled_mm")
-    assert fp8.fp8_refusal(torch.device("cuda", 0), dtype) == reason
+    if scaled_mm == "no triton":
+        monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    assert fp8.fp8_refusal(torch.device("cuda", 1), dtype) == reason
     assert fp8.fp8_refusal(torch.device("cpu"), torch.bfloat16) == "fp8 GEMMs need a CUDA device (model is on cpu)"
 
 

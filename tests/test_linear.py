@@ -19,7 +19,7 @@ from torch import nn
 
 import model.linear as L
 from kernels.fp8 import FP8 as E4M3
-from kernels.fp8 import quantize_rows_eager, quantize_weight
+from kernels.fp8 import quantize_rows_eager
 
 
 class _Group:
@@ -217,11 +217,13 @@ def test_shards_keep_the_full_layers_requires_grad_and_fp8_never_trains(trainabl
 
 
 def test_fp8_holds_what_the_per_channel_quantizer_gives() -> None:
-    """The fp8 method's weight and scales are `kernels.fp8.quantize_weight`'s (one scale per output channel), the
-    bias bf16; the layer multiplies by the dequantized weight (CPU: the GEMM's eager twin)."""
+    """The fp8 method's weight and scales are what per-row quantization gives a weight row (one scale per output
+    channel, held as [1, N]), the bias bf16; the layer multiplies by the dequantized weight (CPU: the GEMM's eager
+    twin)."""
     full = _linear(32, 16, dtype=torch.bfloat16)
     layer = L.Linear.from_linears([full]).quantized(L.FP8)
-    q, scale = quantize_weight(full.weight)
+    q, scale = quantize_rows_eager(full.weight.detach())
+    scale = scale.t()
     assert layer.weight.dtype == E4M3 and torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(layer.weight_scale, scale) and layer.bias.dtype == torch.bfloat16
     x = torch.randn(4, 32, dtype=torch.bfloat16)
