@@ -1095,3 +1095,16 @@ def test_bad_step_cache_options_are_config_errors(raw: dict, message: str) -> No
     assert AppArgs.parse({"pools": {"high": {"step_cache_threshold": 0.1}}}).pools["high"].step_cache_threshold == 0.1
     graphed = AppArgs.parse({"device": "cuda", "pools": {"high": {"step_cache_threshold": 0.1, "cuda_graphs": True}}})
     assert graphed.pools["high"].cuda_graphs and graphed.pools["high"].step_cache_threshold == 0.1
+
+
+def test_rows_of_strided_and_batched_activations_quantize_as_their_contiguous_copies() -> None:
+    """`quantize_rows` takes [..., K] activations of any layout (a column slice of a wider buffer, a transposed
+    view, leading batch dims): the rows are those of the contiguous copy. Bug caught: the layout fix-up dropped
+    (a slice's rows read with the wrong stride, or no tensor at all)."""
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randn(2, 5, 48, generator=g, dtype=torch.float32)
+    for a in (wide[..., 16:32], wide.transpose(1, 2), wide[..., ::2], wide[:, ::2, :]):  # the middle two: K strided
+        q, scale = fp8.quantize_rows(a)
+        q_ref, scale_ref = fp8.quantize_rows_eager(a.contiguous().reshape(-1, a.shape[-1]))
+        assert q.shape == (a.shape[:-1].numel(), a.shape[-1])
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
