@@ -84,7 +84,9 @@ FEATURES: tuple[Feature, ...] = (
             exact=False, scope="replica", where="pool", devices=("cuda",), dtypes=("bfloat16",), elsewhere="warn",
             high_default=True),
     Feature("compile", "the transformer blocks through regional torch.compile, compiled at replica start",
-            exact=False, scope="replica", where="pool", tp_refusal="the ranks' collectives are not traced",
+            exact=False, scope="replica", where="pool",
+            tp_refusal="not built: each block's in-place all-reduces would split its compiled region, and compiled "
+                       "blocks measured slower than the served high form at tp 1 (bench/results/high-h200.md)",
             excludes={"fused_projections": _COMPILE_SLOWER, "fp8": _COMPILE_SLOWER, "attention8": _COMPILE_SLOWER,
                       "cuda_graphs": "a compiled batch never replays graphs"}),
     Feature("cuda_graphs", "each transformer step replayed from a CUDA graph (bit-identical to eager)", exact=True,
