@@ -80,6 +80,9 @@ def _cancel(responses: list) -> None:
 
 
 RETRY_AFTER_S = 1  # what a shed or out-of-memory request is told to wait before trying again
+# The replica (or one of its TP ranks) died under a request. Every job carries its seed, so the ingress re-runs it
+# once (Serve routes it to a live replica) and it answers the bytes it would have had.
+REPLICA_GONE = (PoolUnavailable, ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)
 
 
 def _retry_later(response: JSONResponse) -> JSONResponse:
@@ -106,10 +109,9 @@ def _failure(pool: str, e: BaseException, timeout_s: float) -> tuple[int, JSONRe
     if isinstance(e, BackPressureError):
         logger.warning("pool %s overloaded: %r", pool, e)
         return 503, _retry_later(_error(503, f"pool {pool!r} is at capacity: {_reason(e)}", "overloaded"))
-    if isinstance(e, (PoolUnavailable, ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError,
-                      RequestCancelledError)):
+    if isinstance(e, (*REPLICA_GONE, RequestCancelledError)):
         logger.warning("pool %s unavailable: %r", pool, e)
-        return 503, _error(503, f"pool {pool!r} unavailable: {_reason(e)}", "unavailable")
+        return 503, _retry_later(_error(503, f"pool {pool!r} unavailable: {_reason(e)}", "unavailable"))
     if isinstance(e, GenerationFailed):
         return 500, _error(500, f"generation failed in pool {pool!r}: {_reason(e)}", "server_error")
     # anything else still gets a JSON answer, never a hang or a drop
@@ -168,6 +170,7 @@ class Ingress:
         self._inflight = {q: 0 for q in QUALITIES}
         for q in QUALITIES:
             self.m_inflight.set(0, tags={"pool": q})
+        self.retries = {q: 0 for q in QUALITIES}  # requests re-run after their replica went away
 
     def _enter(self, pool: str) -> None:
         self._inflight[pool] += 1
@@ -180,6 +183,10 @@ class Ingress:
     def in_flight(self) -> dict[str, int]:
         """Requests in flight per pool (the `fluxserve_in_flight` gauge), streams included; for handles and tests."""
         return dict(self._inflight)
+
+    def retried(self) -> dict[str, int]:
+        """Requests per pool re-run once because their replica went away; for handles and tests."""
+        return dict(self.retries)
 
     @api.get("/healthz")
     async def healthz(self) -> dict[str, Any]:
@@ -405,10 +412,20 @@ class Ingress:
     async def _dispatch(self, pool: str, jobs: list, timeout_s: float) -> tuple[int, Any]:
         """Send each image to the pool; (200, results) or (status, JSONResponse)."""
         handle = self.pools[pool]
-        responses = [handle.generate.remote(j) for j in jobs]
+        responses: list = []  # every call made, retries included, for cancellation
+
+        async def _one(job: Any) -> dict[str, Any]:
+            responses.append(handle.generate.remote(job))
+            try:
+                return await responses[-1]
+            except REPLICA_GONE as e:
+                logger.warning("pool %s: the replica went away under a request (%r); re-running it once", pool, e)
+                self.retries[pool] += 1
+                responses.append(handle.generate.remote(job))
+                return await responses[-1]
 
         async def _gather() -> list[dict[str, Any]]:
-            return list(await asyncio.gather(*responses))
+            return list(await asyncio.gather(*(_one(j) for j in jobs)))
 
         try:
             return 200, await asyncio.wait_for(_gather(), timeout=timeout_s)

@@ -565,17 +565,20 @@ AUTOSCALE_APP = "autoscale"
 
 
 @contextlib.contextmanager
-def _side_app(serve_app: dict, name: str, lossless_options: dict | None = None, **args: Any):
-    """A small app of its own next to the session app (tp 1 pools, one replica each unless `lossless_options`
-    replaces the lossless pool's deployment options; the session's other args with `args` on top), at route prefix
-    /<name>; deleted on exit."""
+def _side_app(serve_app: dict, name: str, lossless_options: dict | None = None, high: dict | None = None,
+              **args: Any):
+    """A small app of its own next to the session app (tp 1 pools unless `high` gives the high pool's settings, one
+    replica each unless `lossless_options` replaces the lossless pool's deployment options; the session's other
+    args with `args` on top), at route prefix /<name>; deleted on exit."""
     from ray import serve
 
     from deployments.app import build_app_with_options
 
     full = {**serve_app["args"], **args,
-            "pools": {"lossless": {"tp": 1, "cpu_threads": 1}, "high": {"tp": 1, "cpu_threads": 1}}}
+            "pools": {"lossless": {"tp": 1, "cpu_threads": 1}, "high": high or {"tp": 1, "cpu_threads": 1}}}
     opts = {q: {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}} for q in ("lossless", "high")}
+    if full["pools"]["high"].get("tp", 1) > 1:  # the coordinator sits in its first rank's bundle (app.py's options)
+        opts["high"] = {"num_replicas": 1}
     opts["Ingress"] = {"ray_actor_options": {"num_cpus": 0.1}}
     if lossless_options is not None:
         opts["lossless"] = lossless_options
@@ -748,6 +751,46 @@ def test_a_burst_beyond_capacity_is_shed_and_nothing_is_lost(burst_app: dict) ->
 # --------------------------------------------------------------------------------------------------
 
 
+def test_retry_a_replica_killed_during_a_burst_loses_no_request(serve_app: dict) -> None:
+    """A lossless replica killed while a burst of seeded requests is in flight on both: every request answers 200
+    with its seed's bytes (the ingress re-runs each one whose replica died, once, and counts it). Bug caught: no
+    re-run (the requests on the dead replica answer 503)."""
+    import ray
+    from ray import serve
+
+    n = 12
+    lossless = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}}
+    with _side_app(serve_app, "retry", lossless_options=lossless) as app:
+        handle = serve.get_deployment_handle("lossless", app_name="retry")
+        seen: dict[str, str] = {}
+        deadline = time.time() + 60
+        while len(seen) < 2 and time.time() < deadline:  # the router spreads calls: both replicas answer soon
+            names = handle.actor_names.remote().result(timeout_s=30)
+            seen[names["replica"]] = names["namespace"]
+        assert len(seen) == 2, seen
+        victim = sorted(seen)[0]
+        # (a replica's runtime context reports the job's namespace; Serve registers its actors in its own)
+        namespace = next(a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == victim)
+
+        async def burst() -> list:
+            async with httpx.AsyncClient(timeout=120) as c:
+                url = app["url"] + "/v1/images/generations"
+                tasks = [asyncio.create_task(c.post(url, json={"prompt": BLOCKER, "size": "64x64", "steps": 2,
+                                                                "seed": 100 + i})) for i in range(n)]
+                await asyncio.sleep(1.5)  # every replica holds a batch by now
+                ray.kill(ray.get_actor(victim, namespace=namespace), no_restart=True)
+                return await asyncio.gather(*tasks)
+
+        responses = asyncio.run(burst())
+        retried = serve.get_deployment_handle("Ingress", app_name="retry").retried.remote().result(timeout_s=30)
+    assert [r.status_code for r in responses] == [200] * n, [r.text for r in responses if r.status_code != 200]
+    assert retried["lossless"] >= 1 and retried["high"] == 0
+    for i, r in enumerate(responses):
+        assert base64.b64decode(r.json()["data"][0]["b64_json"]) == _direct_png(
+            serve_app["pipe"], prompt=BLOCKER, height=64, width=64, steps=2, guidance=3.5, seed=100 + i,
+            quality="lossless"), i
+
+
 def test_dead_high_pool_gives_5xx_json_then_recovers(serve_app: dict) -> None:
     import ray
 
@@ -859,6 +902,53 @@ def test_a_request_sets_its_own_step_cache_on_a_tp1_high_pool(serve_app: dict, t
     direct = _direct(pipe, GenerationRequest("a red fox", height=64, width=64, steps=6, seed=4, quality="high",
                                              step_cache=0.9))
     assert base64.b64decode(cached.data[0].b64_json) == direct
+
+
+def test_the_tp2_high_pool_takes_step_cache_and_per_request_lora(serve_app: dict, tiny_path: Path,
+                                                                 tmp_path: Path) -> None:
+    """At tp 2 (two gloo ranks) the high pool answers a step-cache request (one skip decision for both ranks: as
+    many skipped steps as a tp 1 pipeline, the image within reduction-order noise of it) and, in an app serving an
+    adapter, requests that name it or not (each adapter sharded with its layer)."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("peft")
+    import torch
+
+    from model.loading import load_pipeline
+    from model.pipeline import GenerationRequest
+    from tests._inputs import png_psnr, write_random_lora
+
+    client = openai.OpenAI(base_url=serve_app["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    body = {"seed": 4, "steps": 6, "quality": "high"}
+    cached = client.images.generate(prompt="a red fox", size="64x64", extra_body={**body, "step_cache": 0.9})
+    assert cached.model_extra["pool"] == "high" and _pool_stats("high")["tp"] == TP_HIGH
+    assert cached.model_extra["ran"] == {**NOTHING_RAN, "fused_projections": True, "step_cache": 0.9}
+    pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    pipe.convert_for_high(fused_projections=True)
+    (tp1,) = pipe.generate([GenerationRequest("a red fox", height=64, width=64, steps=6, seed=4, quality="high",
+                                              step_cache=0.9)])
+    assert cached.model_extra["timings"]["cached_steps"] == tp1.timings["cached_steps"] >= 1
+    assert png_psnr(base64.b64decode(cached.data[0].b64_json), tp1.png) >= 40.0
+
+    path = write_random_lora(serve_app["pipe"].transformer, tmp_path / "ink.safetensors", seed=7)
+    # (half a logical CPU per rank: the session app's pools hold most of the 8)
+    high = {"tp": 2, "cpu_threads": 1, "backend": "gloo", "rank_resources": {"CPU": 0.5}}
+    with _side_app(serve_app, "tplora", high=high, loras={"ink": str(path)}) as app:
+        client = openai.OpenAI(base_url=app["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+        inked = client.images.generate(prompt="a red fox", size="64x64",
+                                       extra_body={**body, "lora": [{"name": "ink", "scale": 0.8}]})
+        plain = client.images.generate(prompt="a red fox", size="64x64", extra_body=body)
+    assert inked.model_extra["ran"] == {**NOTHING_RAN, "adapters": [{"name": "ink", "scale": 0.8}]}
+    assert plain.model_extra["ran"] == NOTHING_RAN
+    adapted = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    adapted.load_loras({"ink": str(path)})
+    psnr = {}
+    for res, loras in ((inked, (("ink", 0.8),)), (plain, ())):
+        (ref,) = adapted.generate([GenerationRequest("a red fox", height=64, width=64, steps=6, seed=4,
+                                                     quality="high", loras=loras)])
+        psnr[loras] = png_psnr(base64.b64decode(res.data[0].b64_json), ref.png)
+        assert psnr[loras] >= 40.0, loras
+    # the adapter's effect is far above the tp 2 / tp 1 difference (else the comparison could not see a lost one)
+    assert png_psnr(base64.b64decode(inked.data[0].b64_json), base64.b64decode(plain.data[0].b64_json)) < 35.0
 
 
 def test_edits_through_the_openai_client_equal_the_pipeline(serve_app: dict) -> None:
