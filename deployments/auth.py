@@ -1,4 +1,4 @@
-"""Optional API keys for the HTTP app: every route but /healthz needs `Authorization: Bearer <key>` once keys are set.
+"""Optional API keys for the HTTP app: every route but the probes (/healthz, /readyz) needs `Authorization: Bearer <key>` once keys are set.
 
 The keys live here, in a module, because Serve serves a frozen (pickled) copy of the FastAPI app and of the ingress
 class: module-level functions and this module's state are shared by reference, so the ingress sets the keys once
@@ -21,9 +21,9 @@ def set_keys(keys: frozenset[str]) -> None:
     _keys = frozenset(keys)
 
 
-# The one route a load balancer's liveness probe reaches without a key (an exact path: a suffix test would exempt
-# any route ending so).
-EXEMPT_PATH = "/healthz"
+# The routes a load balancer's liveness and readiness probes reach without a key (exact paths: a suffix test would
+# exempt any route ending so).
+EXEMPT_PATHS = ("/healthz", "/readyz")
 
 
 def _authorized(header: str) -> bool:
@@ -42,9 +42,9 @@ def _route_path(request: Request) -> str:
 
 
 async def require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
-    """HTTP middleware: a 401 JSON error unless keys are off, the path is exactly /healthz, or the bearer key is
+    """HTTP middleware: a 401 JSON error unless keys are off, the path is exactly a probe's, or the bearer key is
     known."""
-    if _keys and _route_path(request) != EXEMPT_PATH:
+    if _keys and _route_path(request) not in EXEMPT_PATHS:
         if not _authorized(request.headers.get("authorization", "")):
             return JSONResponse(
                 status_code=401, headers={"WWW-Authenticate": "Bearer"},

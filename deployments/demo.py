@@ -52,13 +52,13 @@ def _http(url: str, body: dict[str, Any] | None = None, accept: str = "applicati
 
 
 def wait_ready(base: str, child: subprocess.Popen, timeout_s: float) -> None:
-    """Poll /healthz until it answers 200; fail early if `serve run` died."""
+    """Poll /readyz until it answers 200 (every pool has a running replica); fail early if `serve run` died."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child.poll() is not None:
             raise RuntimeError(f"`serve run` exited with status {child.returncode} before the app was ready")
         try:
-            status, _, _ = _http(base + "/healthz", timeout=5)
+            status, _, _ = _http(base + "/readyz", timeout=5)
             if status == 200:
                 return
         except (urllib.error.URLError, ConnectionError, TimeoutError):

@@ -119,6 +119,19 @@ def _failure(pool: str, e: BaseException, timeout_s: float) -> tuple[int, JSONRe
     return 500, _error(500, f"internal error in pool {pool!r}: {type(e).__name__}: {_reason(e)}", "server_error")
 
 
+def readiness(app: Any, pools: list[str]) -> tuple[bool, dict[str, Any]]:
+    """(ready, body) from Serve's status of this application (`serve.status().applications[name]`, None while it is
+    unknown): ready when every pool has a running replica; per pool, its replicas by state."""
+    detail = {}
+    for pool in pools:
+        deployment = app.deployments.get(pool) if app is not None else None
+        states = {str(getattr(state, "value", state)).lower(): int(n)
+                  for state, n in (deployment.replica_states if deployment is not None else {}).items()}
+        detail[pool] = {"ready": states.get("running", 0) > 0, "replicas": states}
+    ready = all(p["ready"] for p in detail.values())
+    return ready, {"status": "ready" if ready else "starting", "pools": detail}
+
+
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
 
@@ -192,6 +205,15 @@ class Ingress:
     async def healthz(self) -> dict[str, Any]:
         """Liveness of the ingress; pool replicas are health-checked by Serve itself."""
         return {"status": "ok", "model": self.model_name, "pools": list(self.pools)}
+
+    @api.get("/readyz")
+    async def readyz(self) -> JSONResponse:
+        """Readiness: 200 when every pool has a running replica (Serve counts a replica as running once its
+        constructor, which builds and warms its pipeline, has returned), else 503; per pool, its replicas by state.
+        Read from the Serve controller, so a pool busy with batches is still ready."""
+        app = (await asyncio.to_thread(serve.status)).applications.get(serve.get_replica_context().app_name)
+        ready, body = readiness(app, list(self.pools))
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:

@@ -27,6 +27,10 @@ def client():
     def healthz() -> dict:
         return {"ok": True}
 
+    @app.get("/readyz")
+    def readyz() -> dict:
+        return {"ready": True}
+
     @app.get("/v1/models")
     def models() -> dict:
         return {"data": []}
@@ -94,8 +98,11 @@ def test_non_ascii_and_binary_tokens_are_refused_not_crashed(client: TestClient)
 
 
 def test_only_the_exact_healthz_path_skips_the_key(client: TestClient) -> None:
-    """A path that merely ends in /healthz must not skip the check (it did: `endswith`)."""
+    """A path that merely ends in /healthz must not skip the check (it did: `endswith`). The readiness probe's path
+    is exempt too (a Kubernetes probe sends no key), and nothing that merely contains it."""
     assert client.get("/healthz").status_code == 200
+    assert client.get("/readyz").json() == {"ready": True}
+    assert client.get("/readyz/").status_code in (401, 404) and client.get("/v1/readyz").status_code == 401
     r = client.get("/v1/models/healthz")
     assert r.status_code == 401 and "secret" not in r.text
     assert client.get("/v1/models/healthz", headers={"Authorization": f"Bearer {KEY}"}).json() == {"secret": True}

@@ -287,6 +287,41 @@ def test_high_routes_to_high_pool(serve_app: dict) -> None:
     assert stats["pool"] == "high" and stats["tp"] == TP_HIGH and stats["images"] >= 1
 
 
+def test_ready_when_every_pool_has_a_running_replica(serve_app: dict) -> None:
+    """`/readyz` (no key needed, like `/healthz`): 200 with each pool's replicas by state once every pool has a
+    running one, read from Serve's controller."""
+    r = requests.get(serve_app["url"] + "/readyz", timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "ready" and set(body["pools"]) == {"lossless", "high"}
+    assert all(p["ready"] and p["replicas"].get("running", 0) >= 1 for p in body["pools"].values()), body
+
+
+def test_readiness_counts_running_replicas_per_pool() -> None:
+    """The readiness rule on Serve's status objects: a pool with only starting replicas, or absent, or an app not
+    known yet, is not ready. Bugs caught: any replica counted (a starting one is cold), one pool enough."""
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import ReplicaState
+
+    from deployments.ingress import readiness
+
+    def app(**states: dict) -> SimpleNamespace:
+        return SimpleNamespace(deployments={pool: SimpleNamespace(replica_states=s) for pool, s in states.items()})
+
+    running, starting = {ReplicaState.RUNNING: 1}, {ReplicaState.STARTING: 2}
+    assert readiness(app(lossless=running, high={ReplicaState.RUNNING: 2, ReplicaState.STARTING: 1}),
+                     ["lossless", "high"]) == (True, {"status": "ready", "pools": {
+                         "lossless": {"ready": True, "replicas": {"running": 1}},
+                         "high": {"ready": True, "replicas": {"running": 2, "starting": 1}}}})
+    assert readiness(app(lossless=running, high=starting), ["lossless", "high"])[1]["pools"]["high"] == {
+        "ready": False, "replicas": {"starting": 2}}
+    assert readiness(app(lossless=running, high=starting), ["lossless", "high"])[0] is False
+    assert readiness(app(lossless=running), ["lossless", "high"]) == (False, {"status": "starting", "pools": {
+        "lossless": {"ready": True, "replicas": {"running": 1}}, "high": {"ready": False, "replicas": {}}}})
+    assert readiness(None, ["lossless"])[0] is False
+
+
 def test_png_accept_header_and_random_seed_reported(serve_app: dict) -> None:
     r = _post(serve_app, {"prompt": "a cat"}, headers={"Accept": "image/png"})
     assert r.status_code == 200, r.text
