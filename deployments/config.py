@@ -76,6 +76,9 @@ class PoolSettings:
     # The sizes ("WxH", default: [default_size]) a replica warms up at start, at every batch size it can be asked
     # for (a compiled pool compiles for them), so no request of those shapes pays compilation.
     compile_sizes: list[str] | None = None
+    # Before it takes traffic, a replica (every TP rank) runs one batch of its tier per warm size and batch size:
+    # kernels compile and tune, exactness checks and per-shape choices are taken, CUDA graphs are captured.
+    warm_up: bool = True
 
     @property
     def ranks_share_gpu(self) -> bool:
@@ -213,6 +216,7 @@ class AppArgs:
         return ServingForm(model=self.model, device=self.device, dtype=self.dtype,
                            loras=tuple(self.loras.items()), fused_lora=None if fused is None else (fused, 1.0),
                            warm_sizes=tuple(sizes), warm_batch_sizes=tuple(batch_sizes),
+                           warm_quality=pool if p.warm_up else None,
                            **{f.name: getattr(p, f.key) for f in POOL_OPTIONS})
 
 

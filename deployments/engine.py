@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import AppArgs, PoolArgs
 from deployments.errors import PoolUnavailable
-from model.build import build_pipeline, form_report
+from model.build import build_pipeline, form_report, warmup_report
 from model.form import ServingForm
 from model.pipeline import GenerationCancelled, GenerationResult
 from model.preview import PreviewSink
@@ -90,7 +90,8 @@ class LocalEngine:
 
     def stats(self) -> dict[str, Any]:
         graphs = self.pipe.step_graphs
-        return {"cuda_graphs": None if graphs is None else graphs.stats(), "form": form_report(self.pipe.form)}
+        return {"cuda_graphs": None if graphs is None else graphs.stats(), "form": form_report(self.pipe.form),
+                **warmup_report(self.pipe)}
 
     def actor_names(self) -> list[str]:
         return []
@@ -132,6 +133,7 @@ class TPEngine:
         self.form = form  # what every rank builds (model.build.build_pipeline), then shards
         self.workers: list[Any] = []
         self._names: list[str] = []
+        self._setup: list[dict[str, Any]] = []  # what each rank's setup() reported (its warm-up included)
         self.broken: str | None = None  # set on the first rank failure; the replica is then unhealthy
 
     def start(self) -> None:
@@ -174,7 +176,7 @@ class TPEngine:
             self.workers.append(w)
             self._names.append(name)
         # setup() joins the process group: every rank must be running it at once.
-        ray.get([w.setup.remote() for w in self.workers])
+        self._setup = ray.get([w.setup.remote() for w in self.workers])
 
     def actor_names(self) -> list[str]:
         return list(self._names)
@@ -244,7 +246,7 @@ class TPEngine:
         self.workers = []
 
     def stats(self) -> dict[str, Any]:
-        return {"cuda_graphs": None}
+        return {"cuda_graphs": None, "warmup": self._setup[0]["warmup"] if self._setup else []}
 
     def release_memory(self) -> None:
         return None  # a rank that ran out of memory failed its collective: the group is retired (see generate)

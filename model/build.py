@@ -19,14 +19,17 @@ from model.request import torch_dtype
 
 logger = logging.getLogger(__name__)
 
-# Shapes do not depend on the step count; 2 steps also exercise the second call of each graph.
-COMPILE_WARMUP_STEPS = 2
+# Warm-up batches' steps (compiled or not): shapes do not depend on the step count; 2 steps also exercise the
+# second call of each compiled or captured graph.
+WARMUP_STEPS = 2
 
 
-def build_pipeline(form: ServingForm, shard: Callable[[torch.nn.Module], None] | None = None) -> FluxServePipeline:
+def build_pipeline(form: ServingForm, shard: Callable[[torch.nn.Module], None] | None = None,
+                   agree: Callable[[bool], bool] | None = None) -> FluxServePipeline:
     """Load -> adapters -> shard -> convert -> warm: a pipeline serving `form` (its `form` records what was built:
     fp8 where it cannot run is refused with a warning and bf16 kept). `shard(transformer)`: a TP rank's in-place
-    sharding of the loaded transformer (after a fused adapter is merged into its weights, before conversion)."""
+    sharding of the loaded transformer (after a fused adapter is merged into its weights, before conversion).
+    `agree`: a TP rank's agreement hook for the warm-up batches (see `FluxServePipeline.generate`)."""
     t0 = time.perf_counter()
     pipe = loading.load_pipeline(form.model, device=form.device, dtype=torch_dtype(form.dtype))
     if form.loras:
@@ -46,12 +49,15 @@ def build_pipeline(form: ServingForm, shard: Callable[[torch.nn.Module], None] |
     if fp8 or form.fused_projections:
         pipe.convert_for_high(fp8=fp8, fused_projections=form.fused_projections)
     if form.compile:
-        pipe.enable_compile(list(form.warm_sizes), steps=COMPILE_WARMUP_STEPS, batch_sizes=list(form.warm_batch_sizes))
+        pipe.enable_compile(list(form.warm_sizes), steps=WARMUP_STEPS, batch_sizes=list(form.warm_batch_sizes))
         logger.info("compiled for sizes %s, batch sizes %s in %.1f s", form.warm_sizes, form.warm_batch_sizes,
                     pipe.compile_warmup_s)
     if form.cuda_graphs:
-        # Captured lazily: the first request of each batch size / resolution pays two eager steps and the capture.
+        # Captured on a shape's first batch: the warm-up's, for the warm set; other shapes' first request.
         pipe.enable_cuda_graphs()
+    if form.warm_quality is not None and not form.compile:  # (a compiled form warmed up while compiling)
+        pipe.warm_up(list(form.warm_sizes), list(form.warm_batch_sizes), form.warm_quality, WARMUP_STEPS,
+                     agree=agree)
     logger.info("built %s in %.1f s", pipe.form, time.perf_counter() - t0)
     return pipe
 
@@ -59,3 +65,8 @@ def build_pipeline(form: ServingForm, shard: Callable[[torch.nn.Module], None] |
 def form_report(form: ServingForm) -> dict[str, Any]:
     """The built form as plain values (engine stats)."""
     return {"techniques": sorted(form.techniques()), "refused": dict(form.refused)}
+
+
+def warmup_report(pipe: FluxServePipeline) -> dict[str, Any]:
+    """What the warm-up ran before the replica took traffic (engine stats)."""
+    return {"warmup": [dict(item) for item in pipe.warmup]}

@@ -30,9 +30,11 @@ class ServingForm:
     fused_lora: tuple[str, float] | None = None  # (name, scale): an adapter merged into the weights at start
     cuda_graphs: bool = False
     compile: bool = False
-    # The (height, width) sizes and batch sizes warmed up at start (a compiled form compiles for each).
+    # The (height, width) sizes and batch sizes warmed up at start (a compiled form compiles for each), and the
+    # tier whose batches the warm-up runs (the pool's; None: no warm-up).
     warm_sizes: tuple[tuple[int, int], ...] = ()
     warm_batch_sizes: tuple[int, ...] = ()
+    warm_quality: str | None = None
     # High batches' defaults: switched on around each high batch (a request may set its own step cache).
     fast_norm: bool = False
     attention8: bool = False

@@ -167,6 +167,7 @@ class FluxServePipeline:
         self.compile_warmup_s: float | None = None
         # CUDA graphs of the transformer step; None until enable_cuda_graphs().
         self._step_graphs: StepGraphs | None = None
+        self.warmup: tuple[dict[str, Any], ...] = ()  # what warm_up ran: size, batch, quality, seconds
         self.fp8_layers = 0  # fp8 linear layers the conversion made (reported in each result's `ran`)
         # generate() mounts/unmounts sites on the shared transformer: never let two batches interleave.
         self._lock = threading.Lock()
@@ -298,6 +299,24 @@ class FluxServePipeline:
                 self.generate(batch, compiled=True)
         self.compile_warmup_s = time.perf_counter() - t0
         return self.compile_warmup_s
+
+    def warm_up(self, sizes: list[tuple[int, int]], batch_sizes: list[int], quality: str,
+                steps: int, agree: Callable[[bool], bool] | None = None) -> list[dict[str, Any]]:
+        """One `quality` batch per (height, width) and batch size, before any request: what a shape's first batch
+        does once (Triton compilation and autotuning, the exactness gates' checks, the GELU dispatch's timing, cuDNN
+        plans, CUDA-graph capture) is done here. Each item's time is logged and kept in `warmup`."""
+        items = []
+        for height, width in sizes:
+            for b in batch_sizes:
+                batch = [GenerationRequest("warm-up", height=int(height), width=int(width), steps=steps, seed=i,
+                                           quality=quality) for i in range(int(b))]
+                t0 = time.perf_counter()
+                self.generate(batch, agree=agree)
+                items.append({"size": f"{int(width)}x{int(height)}", "batch": int(b), "quality": quality,
+                              "s": round(time.perf_counter() - t0, 3)})
+                logger.info("warm-up %s x%d %s: %.2f s", items[-1]["size"], b, quality, items[-1]["s"])
+        self.warmup = (*self.warmup, *items)
+        return items
 
     def load_loras(self, loras: dict[str, str]) -> None:
         """Load LoRA files (any format diffusers' FLUX LoRA loader reads) once, each under its name, all inactive:

@@ -175,7 +175,7 @@ def test_the_builder_warms_up_the_pools_compile_plan(monkeypatch) -> None:
     """A compiled pool's form carries every size and batch size it can be asked for, and `build_pipeline` compiles
     for all of them before the replica serves (a wrong plan would leave a request to pay compilation)."""
     from model import loading
-    from model.build import COMPILE_WARMUP_STEPS, build_pipeline
+    from model.build import WARMUP_STEPS, build_pipeline
 
     calls = []
 
@@ -192,7 +192,7 @@ def test_the_builder_warms_up_the_pools_compile_plan(monkeypatch) -> None:
     monkeypatch.setattr(loading, "load_pipeline", lambda *a, **k: Pipe())
     form = AppArgs.parse({"max_batch_size": 2, "pools": {"high": {"compile": True}}}).form("high")
     assert build_pipeline(form).defaults == {"fast_norm": True, "attention8": False, "step_cache": None}
-    assert calls == [([(256, 256)], COMPILE_WARMUP_STEPS, [1, 2])]
+    assert calls == [([(256, 256)], WARMUP_STEPS, [1, 2])]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -185,10 +185,40 @@ def test_the_local_engine_serves_the_pools_settings(tiny_path, threads, caplog) 
     assert _run(high.check_health()) is None and high.actor_names() == []
     high.release_memory()
 
-    lossless = _local(tiny_path, "lossless", pools={"lossless": {"cpu_threads": 1}})
-    assert lossless.stats() == {"cuda_graphs": None, "form": {"techniques": [], "refused": {}}}
+    lossless = _local(tiny_path, "lossless", pools={"lossless": {"cpu_threads": 1, "warm_up": False}})
+    assert lossless.stats() == {"cuda_graphs": None, "form": {"techniques": [], "refused": {}}, "warmup": []}
     assert (lossless.pipe.fp8, lossless.pipe.fused_projections, lossless.pipe.form.step_cache) == (False, False, None)
     assert torch.get_num_threads() == 1
+
+
+def test_warm_a_replica_runs_its_tier_at_every_warm_size_and_batch_size_before_serving(tiny_path, threads,
+                                                                                      monkeypatch) -> None:
+    """Before the engine exists (so before Serve routes to the replica), its pipeline has run one batch of the
+    pool's tier per warm size and batch size (a batch-invariant pool: batch 1 only), each timed in the stats; a
+    pool with `warm_up: false` runs none. Bugs caught: no warm-up, the other tier warmed, a batch size or size
+    missed."""
+    from model.pipeline import FluxServePipeline
+
+    ran: list[tuple] = []
+    real = FluxServePipeline.generate
+
+    def spy(self, requests, *a, **k):
+        ran.append((requests[0].quality, requests[0].width, requests[0].height, len(requests), requests[0].steps))
+        return real(self, requests, *a, **k)
+
+    monkeypatch.setattr(FluxServePipeline, "generate", spy)
+    high = _local(tiny_path, "high", max_batch_size=2, pools={"high": {"compile_sizes": ["64x64", "96x64"]}})
+    assert ran == [("high", 64, 64, 1, 2), ("high", 64, 64, 2, 2), ("high", 96, 64, 1, 2), ("high", 96, 64, 2, 2)]
+    items = high.stats()["warmup"]
+    assert [(i["size"], i["batch"], i["quality"]) for i in items] == [
+        ("64x64", 1, "high"), ("64x64", 2, "high"), ("96x64", 1, "high"), ("96x64", 2, "high")]
+    assert all(i["s"] > 0 for i in items)
+    ran.clear()
+    lossless = _local(tiny_path, "lossless", max_batch_size=2)  # batch-invariant: one request per call
+    assert ran == [("lossless", 256, 256, 1, 2)] and len(lossless.stats()["warmup"]) == 1
+    ran.clear()
+    _local(tiny_path, "lossless", pools={"lossless": {"warm_up": False}})
+    assert ran == []
 
 
 def test_the_local_engine_loads_and_fuses_adapters(tiny_path, threads, tmp_path) -> None:
@@ -220,7 +250,7 @@ class _FakeRankClass:
             def remote(self, **kwargs: Any) -> Any:
                 cls.started.append((options, kwargs))
                 rank = _Rank(kwargs["rank"])
-                rank.setup = _Method(lambda: f"setup {kwargs['rank']}")
+                rank.setup = _Method(lambda: {"rank": kwargs["rank"], "warmup": [{"size": "64x64", "rank": kwargs["rank"]}]})
                 return rank
 
         return _Bound()
@@ -264,7 +294,8 @@ def test_start_asks_for_one_rank_per_bundle_with_the_pools_settings(monkeypatch)
                           "master_addr": "10.1.2.3", "port": 29511, "timeout_s": 45.0, "cpu_threads": 3}
         assert (e.form.model, e.form.device, e.form.dtype, e.form.fast_norm, e.form.attention8) == (
             "tiny", "cpu", "bfloat16", True, False)
-    assert setups == ["setup 0", "setup 1"]
+    assert [s["rank"] for s in setups] == [0, 1]
+    assert e.stats()["warmup"] == [{"size": "64x64", "rank": 0}]  # rank 0's warm-up (every rank ran the same)
 
 
 def test_start_takes_explicit_threads_and_gpu_bundles(monkeypatch) -> None:
@@ -391,7 +422,7 @@ def test_a_failed_health_check_names_its_reason_and_shutdown_ends_every_rank(mon
     e.shutdown()
     assert ended == [0, 1] and e.workers == []
     e.shutdown()  # twice is harmless
-    assert e.stats() == {"cuda_graphs": None} and e.release_memory() is None
+    assert e.stats() == {"cuda_graphs": None, "warmup": []} and e.release_memory() is None
 
 
 async def _async(value: Any) -> Any:

@@ -25,7 +25,8 @@ def _form(tiny_path: str, lora: str):
     from model.form import ServingForm
 
     return ServingForm(model=str(tiny_path), device="cpu", dtype="float32", fused_projections=True,
-                       loras=(("ink", lora),), fused_lora=("ink", 1.0))
+                       loras=(("ink", lora),), fused_lora=("ink", 1.0), warm_quality="high",
+                       warm_sizes=((64, 64),), warm_batch_sizes=(1, 2))
 
 
 def _requests(step_cache: float | None = None, loras: tuple = ()):
@@ -96,6 +97,9 @@ def test_both_ranks_agree_and_match_tp_1(high_run: dict, tiny_path: Path) -> Non
     ranks = high_run["ranks"]
     for r in range(WORLD):
         assert ranks[r]["setup"]["heads_per_rank"] == 2
+        # every rank warmed up the same batches before setup returned (in step: the ranks' collectives met)
+        assert [(i["size"], i["batch"], i["quality"]) for i in ranks[r]["setup"]["warmup"]] == [
+            ("64x64", 1, "high"), ("64x64", 2, "high")]
         assert ranks[r]["form"].techniques() == {"fused_projections", "fused_lora"}
     tp1 = build_pipeline(_form(str(tiny_path), str(high_run["outdir"] / "ink.safetensors")))
     for threshold in (0.9, 0.0):

@@ -84,7 +84,8 @@ class TPWorker:
             check_replicas_identical(transformer, self.ctrl_group)
             shard_transformer(transformer, self.rank, self.world_size, self.group)
 
-        pipe = build_pipeline(replace(self.form, device=self.device), shard=shard)
+        pipe = build_pipeline(replace(self.form, device=self.device), shard=shard,
+                              agree=lambda ok: agree_all_ranks(ok, self.ctrl_group))
         t2 = loaded[0]
         self.pipe = pipe
         return {
@@ -98,6 +99,7 @@ class TPWorker:
             "init_s": t1 - t0,
             "load_s": t2 - t1,
             "build_s": time.perf_counter() - t2,
+            "warmup": [dict(item) for item in pipe.warmup],
         }
 
     def generate(self, requests: list[GenerationRequest], preview_steps: tuple[int, ...] = ()) -> list | None:
