@@ -36,8 +36,8 @@ def _requests(args: argparse.Namespace, tier: str, steps: int) -> list:
 def _form(args: argparse.Namespace, tier: str, world: int) -> Any:
     from deployments.config import AppArgs
 
-    pool = {"tp": world}
-    if args.device == "cuda" and world == 1:
+    pool = {"tp": world, "warm_up": False}  # (_timed warms up the shapes it measures)
+    if args.device == "cuda":
         pool["cuda_graphs"] = True
     raw = {"model": args.model, "device": args.device, "dtype": args.dtype, "default_size": f"{args.size}x{args.size}",
            "pools": {tier: pool}}
