@@ -4,7 +4,8 @@
 
 Starts `serve run <config>` as a child process, waits until the app answers (Serve prints "Submitted" before the
 replicas are up, so readiness is a real HTTP check), asks for one image per quality tier, writes the lossless PNG,
-prints what came back, and keeps serving until Ctrl-C (or exits at once with --once).
+prints what came back, and keeps serving until Ctrl-C or SIGTERM (or exits at once with --once); either signal
+stops `serve run` (which takes its Ray down) before the demo returns.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ def sigint_as_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the demo the way Ctrl-C does: `serve run` and its Ray go down first
+
+
 def stop(child: subprocess.Popen) -> None:
     """SIGINT lets `serve run` shut Serve and Ray down cleanly (~8 s); kill only if it hangs."""
     if child.poll() is None:
@@ -102,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the `serve` command (ray[serve]) is not installed; run `bash .ci/setup` first", file=sys.stderr)
         return 2
 
+    # Ctrl-C and SIGTERM both end in `stop(child)`, also when a script started the demo with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     env = {**os.environ, **ray_env()}
     Path(env["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
     print(f"starting: serve run {args.config}  (app on {base})", flush=True)

@@ -150,6 +150,45 @@ def test_serve_run_config_smoke(fluxserve_cache: Path, tiny_path: Path) -> None:
                             + Path(rt, "serve-run.log").read_text(errors="replace")[-4000:])
 
 
+def test_sigterm_stops_the_demo_and_leaves_nothing_running(fluxserve_cache: Path, tmp_path: Path) -> None:
+    """The README's main command started in the background as a script would (SIGINT ignored), serving after its
+    demo requests; SIGTERM to the demo alone: it exits 0 once `serve run` and its Ray are down, and no process of
+    its Ray session is left. Bug caught: a demo that dies on SIGTERM and leaves `serve run` and Ray running."""
+    import yaml
+
+    with tempfile.TemporaryDirectory(prefix="rd", dir="/tmp") as rt:
+        env = {**os.environ, **_ray_env(rt), "FLUXSERVE_CACHE": str(fluxserve_cache), "RAY_TMPDIR": rt}
+        env.pop("RAY_ADDRESS", None)
+        config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+        config["http_options"]["port"] = free_port()
+        config_path = tmp_path / "serve_config.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        log = tmp_path / "demo.log"
+        with open(log, "wb") as out:
+            demo = subprocess.Popen([sys.executable, "-m", "deployments.demo", "--config", str(config_path),
+                                     "--out", str(tmp_path / "demo.png")], cwd=REPO, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+            left: list[str] = []
+            try:
+                deadline = time.time() + 240
+                while time.time() < deadline and "serving; Ctrl-C to stop" not in log.read_text(errors="replace"):
+                    assert demo.poll() is None, log.read_text(errors="replace")[-3000:]
+                    time.sleep(1)
+                assert "serving; Ctrl-C to stop" in log.read_text(errors="replace"), log.read_text()[-3000:]
+                demo.send_signal(signal.SIGTERM)  # the demo alone, not its process group
+                code = demo.wait(timeout=90)
+            finally:
+                left = subprocess.run(["pgrep", "-f", rt], capture_output=True, text=True).stdout.split()
+                with contextlib.suppress(ProcessLookupError):  # whatever a failed run left behind goes too
+                    os.killpg(demo.pid, signal.SIGKILL)
+                subprocess.run(["pkill", "-9", "-f", rt])
+                demo.wait()
+        assert code == 0, log.read_text(errors="replace")[-3000:]
+        assert left == [], f"{len(left)} processes of the demo's Ray session still running"
+        assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # --------------------------------------------------------------------------------------------------
 # Session app
 # --------------------------------------------------------------------------------------------------
