@@ -75,6 +75,19 @@ def sigint_as_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def preflight(cfg: dict[str, Any]) -> None:
+    """What would fail every replica of the config's applications, found before anything starts (`serve run` would
+    keep running and retry them): args that do not parse, an API-keys file that cannot be read, a model folder that
+    is missing or incomplete. Raises ValueError or model.loading.ModelLoadError with the reason."""
+    from deployments.config import AppArgs
+    from model.loading import check_source
+
+    for app in cfg.get("applications", []):
+        args = AppArgs.parse(app.get("args"))
+        args.load_api_keys()
+        check_source(args.model)
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the demo the way Ctrl-C does: `serve run` and its Ray go down first
 
@@ -100,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     cfg = yaml.safe_load(Path(args.config).read_text())
+    from model.loading import ModelLoadError
+
+    try:
+        preflight(cfg)
+    except (ValueError, ModelLoadError) as exc:
+        print(f"error: {args.config}: {exc}", file=sys.stderr)
+        return 2
     http = cfg.get("http_options", {})
     base = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
     serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or shutil.which("serve")

@@ -228,12 +228,23 @@ def load_diffusers_pipeline(folder: str | os.PathLike[str], transformer: torch.n
     return pipe.to(device)
 
 
+def _is_preset(name: str) -> bool:
+    return name in presets.preset_names() and not Path(name).exists()  # a folder of that name wins
+
+
+def check_source(path_or_preset: str | os.PathLike[str]) -> None:
+    """Raise ModelLoadError where `load_pipeline` would for a folder, without loading anything (a preset name is
+    built or found on first use)."""
+    if not _is_preset(str(path_or_preset)):
+        check_folder(Path(str(path_or_preset)).expanduser())
+
+
 def load_pipeline(path_or_preset: str | os.PathLike[str] = DEFAULT_MODEL, device: str | torch.device = "cpu",
                   dtype: torch.dtype = torch.float32) -> "FluxServePipeline":
     """A FluxServePipeline from a local diffusers FLUX.1 folder or a preset name, with our transformer."""
 
     name = str(path_or_preset)
-    if name in presets.preset_names() and not Path(name).exists():
+    if _is_preset(name):
         folder = presets.preset_folder(name)
         if folder is None:
             return _in_memory_preset(name, device, dtype)

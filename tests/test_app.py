@@ -56,3 +56,28 @@ def test_a_bad_queue_bound_fails_the_build() -> None:
     for bad in (0, -2):
         with pytest.raises(ValueError, match="max_queued_requests must be >= 1 or -1"):
             build_app_with_options({"max_queued_requests": bad})
+
+
+@pytest.mark.parametrize("args, reason", [
+    ({"model": "/nonexistent/FLUX.1-dev"}, "does not exist or is not a directory"),
+    ({"api_keys_file": "/nonexistent/keys.txt"}, "API keys file '/nonexistent/keys.txt': No such file or directory"),
+    ({"pools": {"lossless": {"fp8": True}}}, "lossless"),
+])
+def test_a_config_that_cannot_serve_stops_the_demo_before_serve_starts(tmp_path, capsys, monkeypatch, args: dict,
+                                                                     reason: str) -> None:
+    """A missing model folder, an unreadable API-keys file or args that do not parse: the demo says why on stderr
+    and exits 2 before starting `serve run` (which would keep running, its replicas failing and retrying)."""
+    import yaml
+
+    from deployments import demo
+
+    shipped = Path(__file__).resolve().parents[1] / "serve_config.yaml"
+    config = yaml.safe_load(shipped.read_text())
+    config["applications"][0]["args"].update(args)
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.setattr(demo.subprocess, "Popen", lambda *a, **k: pytest.fail("serve run was started"))
+    assert demo.main(["--config", str(path), "--once"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and reason in err, err
+    assert demo.preflight(yaml.safe_load(shipped.read_text())) is None  # the shipped config passes
