@@ -1,6 +1,6 @@
 """The README's main command: serve the embedded default and answer one request.
 
-    python -m deployments.demo [--config serve_config.yaml] [--out fluxserve-demo.png] [--once]
+    python -m deployments.demo [--config serve_config.yaml] [--out fluxserve-demo.png] [--once] [--host H] [--port P]
 
 Starts `serve run <config>` as a child process, waits until the app answers (Serve prints "Submitted" before the
 replicas are up, so readiness is a real HTTP check), asks for one image per quality tier, writes the lossless PNG,
@@ -110,9 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--once", action="store_true", help="stop serving after the demo requests")
     p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--host", default=None, help="address the app listens on (default: the config's http_options)")
+    p.add_argument("--port", type=int, default=None, help="port the app listens on (default: the config's)")
     args = p.parse_args(argv)
 
     cfg = yaml.safe_load(Path(args.config).read_text())
+    config_path = args.config
+    if args.host is not None or args.port is not None:  # serve run reads them from the config: hand it a copy
+        http = cfg.setdefault("http_options", {})
+        http.update({k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
+        fd, config_path = tempfile.mkstemp(prefix="fluxserve-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(cfg, f)
     from model.loading import ModelLoadError
 
     try:
@@ -121,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.config}: {exc}", file=sys.stderr)
         return 2
     http = cfg.get("http_options", {})
-    base = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
+    host = http.get("host", "127.0.0.1")
+    base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
     serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or shutil.which("serve")
     if serve_bin is None:
         print("error: the `serve` command (ray[serve]) is not installed; run `bash .ci/setup` first", file=sys.stderr)
@@ -133,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, **ray_env()}
     Path(env["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
     print(f"starting: serve run {args.config}  (app on {base})", flush=True)
-    child = subprocess.Popen([serve_bin, "run", args.config], env=env, preexec_fn=sigint_as_default)
+    child = subprocess.Popen([serve_bin, "run", config_path], env=env, preexec_fn=sigint_as_default)
     try:
         t0 = time.monotonic()
         wait_ready(base, child, args.ready_timeout)
@@ -160,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         stop(child)
+        if config_path != args.config:
+            os.unlink(config_path)
 
 
 if __name__ == "__main__":

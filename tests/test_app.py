@@ -81,3 +81,39 @@ def test_a_config_that_cannot_serve_stops_the_demo_before_serve_starts(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}: ") and reason in err, err
     assert demo.preflight(yaml.safe_load(shipped.read_text())) is None  # the shipped config passes
+
+
+def test_the_demo_serves_on_the_host_and_port_it_is_given(tmp_path, monkeypatch) -> None:
+    """`--host` / `--port` reach `serve run` (through a copy of the config, which is removed afterwards) and the
+    demo's own requests go there (to 127.0.0.1 for a wildcard host)."""
+    import yaml
+
+    from deployments import demo
+
+    seen: dict = {}
+
+    class Exited:  # alive for one readiness poll, then gone
+        returncode = 1
+        polls = iter([None])
+
+        def poll(self) -> int | None:
+            return next(self.polls, 1)
+
+    def popen(cmd, **kwargs):
+        seen["config"] = yaml.safe_load(Path(cmd[-1]).read_text())
+        seen["path"] = cmd[-1]
+        return Exited()
+
+    monkeypatch.setattr(demo.subprocess, "Popen", popen)
+    def http(url, *a, **k):
+        seen.setdefault("urls", []).append(url)
+        raise ConnectionError("nothing listens")
+
+    monkeypatch.setattr(demo, "_http", http)
+    shipped = str(Path(__file__).resolve().parents[1] / "serve_config.yaml")
+    with pytest.raises(RuntimeError, match="exited with status 1 before the app was ready"):
+        demo.main(["--config", shipped, "--host", "0.0.0.0", "--port", "8123", "--once"])
+    assert seen["config"]["http_options"]["host"] == "0.0.0.0" and seen["config"]["http_options"]["port"] == 8123
+    assert seen["config"]["applications"] == yaml.safe_load(Path(shipped).read_text())["applications"]
+    assert not Path(seen["path"]).exists() and seen["path"] != shipped
+    assert seen["urls"] == ["http://127.0.0.1:8123/readyz"]
