@@ -409,10 +409,14 @@ class Pipe:
     form = None
     def __init__(self):
         self.graphs = []
+        self.events = []
     def use(self, **defaults):
         pass
     def enable_cuda_graphs(self, max_graphs=8):
         self.graphs.append(max_graphs)
+        self.events.append("graphs")
+    def warm_up(self, sizes, batch_sizes, quality, steps, agree=None):
+        self.events.append(("warm", quality))
 
 pipes = []
 model.loading.load_pipeline = lambda *a, **k: pipes.append(Pipe()) or pipes[-1]
@@ -422,6 +426,8 @@ for pool, on in (("lossless", True), ("high", False)):
     raw = {"device": "cuda", "pools": {pool: {"cuda_graphs": on, "cpu_threads": 1, **form}}}
     cls(pool, raw)
 assert [p.graphs for p in pipes] == [[8], []], [p.graphs for p in pipes]
+# the warm-up runs with graphs on, so that it captures them before the replica takes traffic
+assert [p.events for p in pipes] == [["graphs", ("warm", "lossless")], [("warm", "high")]], [p.events for p in pipes]
 print("graphs wiring ok")
 """
 
