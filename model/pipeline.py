@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from model import faults
 from model.family import family_of
@@ -148,6 +148,15 @@ def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bo
     latents = pipe._unpack_latents(final["latents"], first.height, first.width, pipe.vae_scale_factor)
     latents = latents.cpu()
     return [latents[i].clone() for i in range(len(requests))], [png_bytes(im) for im in images]
+
+
+def _warm_batches(sizes: list[tuple[int, int]], batch_sizes: list[int] | tuple[int, ...], steps: int,
+                  quality: str) -> Iterator[list[GenerationRequest]]:
+    """One `quality` batch of `steps` steps per (height, width) and batch size, as a warm-up runs them."""
+    for height, width in sizes:
+        for b in batch_sizes:
+            yield [GenerationRequest("warm-up", height=int(height), width=int(width), steps=steps, seed=i,
+                                     quality=quality) for i in range(int(b))]
 
 
 class FluxServePipeline:
@@ -291,12 +300,9 @@ class FluxServePipeline:
         self.form = replace(self.form, compile=True, warm_sizes=tuple((int(h), int(w)) for h, w in sizes),
                             warm_batch_sizes=tuple(int(b) for b in batch_sizes))
         t0 = time.perf_counter()
-        for height, width in sizes:
-            for b in batch_sizes:
-                batch = [GenerationRequest("warm-up", height=int(height), width=int(width), steps=steps, seed=i,
-                                           quality="high") for i in range(b)]
-                self.generate(batch, compiled=False)
-                self.generate(batch, compiled=True)
+        for batch in _warm_batches(sizes, batch_sizes, steps, "high"):
+            self.generate(batch, compiled=False)
+            self.generate(batch, compiled=True)
         self.compile_warmup_s = time.perf_counter() - t0
         return self.compile_warmup_s
 
@@ -306,15 +312,12 @@ class FluxServePipeline:
         does once (Triton compilation and autotuning, the exactness gates' checks, the GELU dispatch's timing, cuDNN
         plans, CUDA-graph capture) is done here. Each item's time is logged and kept in `warmup`."""
         items = []
-        for height, width in sizes:
-            for b in batch_sizes:
-                batch = [GenerationRequest("warm-up", height=int(height), width=int(width), steps=steps, seed=i,
-                                           quality=quality) for i in range(int(b))]
-                t0 = time.perf_counter()
-                self.generate(batch, agree=agree)
-                items.append({"size": f"{int(width)}x{int(height)}", "batch": int(b), "quality": quality,
-                              "s": round(time.perf_counter() - t0, 3)})
-                logger.info("warm-up %s x%d %s: %.2f s", items[-1]["size"], b, quality, items[-1]["s"])
+        for batch in _warm_batches(sizes, batch_sizes, steps, quality):
+            t0 = time.perf_counter()
+            self.generate(batch, agree=agree)
+            items.append({"size": f"{batch[0].width}x{batch[0].height}", "batch": len(batch), "quality": quality,
+                          "s": round(time.perf_counter() - t0, 3)})
+            logger.info("warm-up %s x%d %s: %.2f s", items[-1]["size"], len(batch), quality, items[-1]["s"])
         self.warmup = (*self.warmup, *items)
         return items
 
