@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from model.build import build_pipeline
+from model.build import build_pipeline, warmup_report
 from model.form import ServingForm
 from model.request import GenerationRequest
 
@@ -84,8 +84,7 @@ class TPWorker:
             check_replicas_identical(transformer, self.ctrl_group)
             shard_transformer(transformer, self.rank, self.world_size, self.group)
 
-        pipe = build_pipeline(replace(self.form, device=self.device), shard=shard,
-                              agree=lambda ok: agree_all_ranks(ok, self.ctrl_group))
+        pipe = build_pipeline(replace(self.form, device=self.device), shard=shard, agree=self._agree)
         t2 = loaded[0]
         self.pipe = pipe
         return {
@@ -99,7 +98,7 @@ class TPWorker:
             "init_s": t1 - t0,
             "load_s": t2 - t1,
             "build_s": time.perf_counter() - t2,
-            "warmup": [dict(item) for item in pipe.warmup],
+            **warmup_report(pipe),
         }
 
     def generate(self, requests: list[GenerationRequest], preview_steps: tuple[int, ...] = ()) -> list | None:
@@ -117,8 +116,12 @@ class TPWorker:
         # shapes, silently different images). The mount's local verdict is agreed over the control group; a refusal
         # anywhere runs the batch unmounted everywhere (reported as mounted_sites=0).
         results = self.pipe.generate(list(requests), should_stop=self._should_stop,
-                                     agree=lambda ok: agree_all_ranks(ok, self.ctrl_group), previews=previews)
+                                     agree=self._agree, previews=previews)
         return results if self.rank == 0 else None
+
+    def _agree(self, ok: bool) -> bool:
+        """This rank's verdict agreed over the control group (every rank or none), for the pipeline's hooks."""
+        return agree_all_ranks(ok, self.ctrl_group)
 
     def _keep_preview(self, index: int, step: int, pngs: list[bytes]) -> None:
         with self._previews_lock:
