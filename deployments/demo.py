@@ -115,13 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     cfg = yaml.safe_load(Path(args.config).read_text())
-    config_path = args.config
-    if args.host is not None or args.port is not None:  # serve run reads them from the config: hand it a copy
-        http = cfg.setdefault("http_options", {})
-        http.update({k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
-        fd, config_path = tempfile.mkstemp(prefix="fluxserve-", suffix=".yaml")
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(cfg, f)
+    moved = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    cfg.setdefault("http_options", {}).update(moved)
     from model.loading import ModelLoadError
 
     try:
@@ -142,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     env = {**os.environ, **ray_env()}
     Path(env["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
+    config_path = args.config
+    if moved:  # serve run reads host and port from the config: hand it a copy with them
+        fd, config_path = tempfile.mkstemp(prefix="fluxserve-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(cfg, f)
     print(f"starting: serve run {args.config}  (app on {base})", flush=True)
     child = subprocess.Popen([serve_bin, "run", config_path], env=env, preexec_fn=sigint_as_default)
     try:
