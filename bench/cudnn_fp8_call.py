@@ -55,7 +55,7 @@ def measure(S: int, H: int, D: int, n: int) -> dict[str, float]:
     torch.cuda.synchronize()
     r["execute_host_us"] = per_call_us(lambda: g.graph.execute(pack, ws, handle=g.handle), n)
     torch.cuda.synchronize()
-    uids, wsp = {k.get_uid(): v.data_ptr() for k, v in pack.items()}, ws.data_ptr()
+    uids, wsp = {uid: v.data_ptr() for uid, v in pack.items()}, ws.data_ptr()
     r["cpp_execute_host_us"] = per_call_us(lambda: g.graph._execute(uids, wsp, g.handle), n)
     torch.cuda.synchronize()
     r["refusal_us"] = per_call_us(lambda: cudnn_fp8_refusal(q8), n)

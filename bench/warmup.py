@@ -6,8 +6,9 @@
 Each start is a fresh process building the pool's form as a replica does (`AppArgs.form(pool)` ->
 `model.build.build_pipeline`, warm-up included): `ready_s` is that build. Then, per warm size and batch size, the
 first request (new prompt, new seeds) and the median of `--repeats` more: `first_over_warm` is their ratio. One size
-outside the warm set shows what a cold shape still costs. Two starts share one kernel-cache folder (Triton,
-Inductor): the first with it empty (`ready_s`), the second with what the first left (`ready_s_warm_cache`).
+outside the warm set shows what a cold shape still costs. Two starts share one kernel-cache folder
+(`args.kernel_cache_dir`: Triton, Inductor, cuDNN plans): the first with it empty (`ready_s`), the second with what
+the first left (`ready_s_warm_cache`).
 Writes `--out` (.json) and the same name .md.
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shlex
 import statistics
@@ -36,7 +36,7 @@ def _form(args: argparse.Namespace) -> Any:
     pool = {"cuda_graphs": True} if args.device.startswith("cuda") else {}
     return AppArgs.parse({"model": args.model, "device": args.device, "dtype": args.dtype,
                           "default_size": f"{args.size}x{args.size}", "max_batch_size": args.max_batch_size,
-                          "pools": {args.pool: pool}}).form(args.pool)
+                          "kernel_cache_dir": args.kernel_cache, "pools": {args.pool: pool}}).form(args.pool)
 
 
 def _start(args: argparse.Namespace) -> dict[str, Any]:
@@ -79,18 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="default: bench/results/warmup-<gpu>.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kernel-cache", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(_start(args)))
         return 0
     raw = argv if argv is not None else sys.argv[1:]
     with tempfile.TemporaryDirectory(prefix="fluxserve-kernel-cache-") as cache:
-        env = {**os.environ, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
-               "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
         starts = []
         for _ in range(2):  # empty cache, then the cache the first start left
-            out = subprocess.run([sys.executable, __file__, *raw, "--child"], env=env, capture_output=True, text=True,
-                                 check=True)
+            out = subprocess.run([sys.executable, __file__, *raw, "--child", "--kernel-cache", cache],
+                                 capture_output=True, text=True, check=True)
             starts.append(json.loads(out.stdout.strip().splitlines()[-1]))
     import torch
 

@@ -100,7 +100,7 @@ def rayservice(config: dict[str, Any], shape: NodeShape, name: str = "fluxserve"
     serve_config = {"applications": config["applications"]}
     models = {"name": "models", "mountPath": "/models", "readOnly": True}
 
-    def container(role: str, cpus: int, memory: str, gpus: int) -> dict[str, Any]:
+    def container(role: str, cpus: int, memory: str, gpus: int, caches: list[str] | None = None) -> dict[str, Any]:
         resources: dict[str, Any] = {"cpu": str(cpus), "memory": memory}
         if gpus:
             resources["nvidia.com/gpu"] = str(gpus)
@@ -108,13 +108,19 @@ def rayservice(config: dict[str, Any], shape: NodeShape, name: str = "fluxserve"
                              "resources": {"limits": resources, "requests": dict(resources)},
                              "env": [{"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
                                      {"name": "NCCL_NVLS_ENABLE", "value": "0"}],
-                             "volumeMounts": [models]}
+                             "volumeMounts": [models, *({"name": "kernel-cache", "mountPath": path} for path in caches or [])]}
         if role == "head":
             c["ports"] = [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
                           {"containerPort": 10001, "name": "client"}, {"containerPort": 8000, "name": "serve"}]
         return c
 
     volumes = [{"name": "models", "persistentVolumeClaim": {"claimName": "flux-models", "readOnly": True}}]
+    # Where the replicas keep built kernels (args.kernel_cache_dir): a writable volume, so a restarted pod warms
+    # from what an earlier one compiled.
+    caches = sorted({app["args"]["kernel_cache_dir"] for app in config["applications"]
+                     if app.get("args", {}).get("kernel_cache_dir")})
+    cache_volume = {"name": "kernel-cache", "persistentVolumeClaim": {"claimName": "fluxserve-kernel-cache"}}
+    worker_volumes = [*volumes, cache_volume] if caches else volumes
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
@@ -136,8 +142,8 @@ def rayservice(config: dict[str, Any], shape: NodeShape, name: str = "fluxserve"
                     "rayStartParams": {},
                     "template": {"spec": {
                         "containers": [container("worker", shape.cpus_per_node, shape.memory_per_node,
-                                                 shape.gpus_per_node)],
-                        "volumes": volumes,
+                                                 shape.gpus_per_node, caches)],
+                        "volumes": worker_volumes,
                     }},
                 }],
             },

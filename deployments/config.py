@@ -127,13 +127,17 @@ class AppArgs:
     image_url_max_bytes: int = 256 * 1024 * 1024
     # LoRA adapters every replica loads once at start: name -> local .safetensors file (a format diffusers' FLUX
     # LoRA loader reads). A request picks some by name with scales (`"lora": [{"name": ..., "scale": ...}]`).
-    # Not with tp > 1 or compile yet; the high pool then keeps its linears unconverted (no fp8 / fused projections).
+    # The feature table says what adapters run with (`python -m model features`).
     loras: dict[str, str] = field(default_factory=dict)
     # With exactly one adapter in `loras`: fuse it into the weights once per replica (scale 1). The adapter is then
     # part of the model: every image uses it, requests name no adapter, a step costs what the base model's does,
     # and the high pool converts (fp8 / fused projections) as without adapters.
     fuse_lora: bool = False
     limits: Limits = field(default_factory=Limits)
+    # A folder every replica and TP rank keeps its built kernels in (Triton's compiled kernels and autotuning,
+    # Inductor's caches, cuDNN's plans: kernels/cache.py), so a restarted replica warms from disk. None: each
+    # library's own default (cuDNN plans then in memory only). The KubeRay manifest mounts a volume there.
+    kernel_cache_dir: str | None = None
     # The pools' defaults are applied in one place, `parse` (HIGH_DEFAULTS where each pool's settings admit them).
     pools: dict[str, PoolArgs] = field(default_factory=lambda: AppArgs.parse({}).pools)
 
@@ -214,6 +218,7 @@ class AppArgs:
         sizes, batch_sizes = warm_plan(self, pool)
         fused = next(iter(self.loras)) if self.fuse_lora else None
         return ServingForm(model=self.model, device=self.device, dtype=self.dtype,
+                           kernel_cache_dir=self.kernel_cache_dir,
                            loras=tuple(self.loras.items()), fused_lora=None if fused is None else (fused, 1.0),
                            warm_sizes=tuple(sizes), warm_batch_sizes=tuple(batch_sizes),
                            warm_quality=pool if p.warm_up else None,

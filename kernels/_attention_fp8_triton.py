@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ._high_triton import fp8_saturate
 from ._lossless_triton import _interpreting
+from .cache import autotune
 _LOG2E = 1.4426950408889634
 _LOG2_448 = tl.constexpr(8.807354922057604)  # P = exp2(logit - max + log2(448)) <= 448, e4m3's largest value
 
@@ -145,7 +146,7 @@ _CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=
             for m, n, w, st in ((128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 3),
                                 (128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4),
                                 (128, 128, 4, 3))]
-_attention_tuned = triton.autotune(configs=_CONFIGS, key=["S_PAD", "D", "EVEN"])(_attention_kernel)
+_attention_tuned = autotune(_CONFIGS, key=["S_PAD", "D", "EVEN"])(_attention_kernel)
 
 
 def attend_quantized(q8: torch.Tensor, k8: torch.Tensor, v8t: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor,

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from ._high_triton import fp8_saturate, ln_modulate_row
 from ._lossless_triton import _GELU_BETA, _GELU_KAPPA, _interpreting, libdevice
+from .cache import autotune
 
 _FP8_MAX = 448.0
 _MIN_AMAX = 1e-12
@@ -114,7 +115,7 @@ def _quant_rows_kernel(
 _CONFIGS = [triton.Config({"ROWS": r, "BLOCK": b}, num_warps=w)
             for r, b, w in ((1, 1024, 4), (1, 2048, 8), (1, 4096, 8), (2, 1024, 4), (2, 2048, 8), (4, 512, 4),
                             (4, 1024, 8), (8, 256, 4), (8, 512, 8))]
-_quant_rows_tuned = triton.autotune(configs=_CONFIGS, key=["KA", "KB", "GELU_B", "HAS_B", "GELU_FROM_MAX",
+_quant_rows_tuned = autotune(_CONFIGS, key=["KA", "KB", "GELU_B", "HAS_B", "GELU_FROM_MAX",
                                                                          "EXP_TANH"])(
     _quant_rows_kernel)
 
@@ -207,7 +208,7 @@ def _weight_only_kernel(
 _WO_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
                for n, k, w, st in ((16, 512, 4, 4), (16, 1024, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
                                    (32, 1024, 8, 3), (64, 256, 4, 4), (64, 512, 8, 3), (128, 256, 8, 3))]
-_weight_only_tuned = triton.autotune(configs=_WO_CONFIGS, key=["M", "N", "K", "HAS_BIAS"])(_weight_only_kernel)
+_weight_only_tuned = autotune(_WO_CONFIGS, key=["M", "N", "K", "HAS_BIAS"])(_weight_only_kernel)
 
 
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .cache import autotune
+
 _SQRT_2_OVER_PI = 0.7978845608028654
 
 
@@ -47,7 +49,7 @@ def _ptr_configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(configs=_ptr_configs(), key=["M", "N", "K"])
+@autotune(_ptr_configs(), key=["M", "N", "K"])
 @triton.jit
 def _mm_gelu_kernel(
     a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
@@ -113,7 +115,7 @@ def _tma_configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(configs=_tma_configs(), key=["M", "N", "K"])
+@autotune(_tma_configs(), key=["M", "N", "K"])
 @triton.jit
 def _mm_gelu_tma_kernel(
     a_desc, w_desc, c_desc, bias_ptr, M, N, K,

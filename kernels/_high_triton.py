@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ._lossless_triton import _TL_DTYPE, _cast, _interpreting
+from .cache import autotune
 
 @triton.jit
 def fp8_saturate(y, INTERPRET: tl.constexpr):
@@ -127,7 +128,7 @@ def _rms_rope_fast_kernel(
 # Tiles measured on the GPU at first use per (H, D): ROWS tokens x HB heads per program (heads past H masked).
 _RMS_ROPE_CONFIGS = [triton.Config({"ROWS": r, "HB": hb}, num_warps=w)
                      for r, hb, w in ((1, 8, 4), (2, 8, 4), (2, 8, 8), (4, 8, 8), (4, 4, 4), (8, 4, 8), (8, 2, 4))]
-_rms_rope_fast_tuned = triton.autotune(configs=_RMS_ROPE_CONFIGS, key=["H", "D", "FP8"])(_rms_rope_fast_kernel)
+_rms_rope_fast_tuned = autotune(_RMS_ROPE_CONFIGS, key=["H", "D", "FP8"])(_rms_rope_fast_kernel)
 
 
 def rms_rope_fast(

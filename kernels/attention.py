@@ -181,54 +181,83 @@ def cudnn_fp8_refusal(query: torch.Tensor, attn_mask: torch.Tensor | None = None
     return None
 
 
+# Each tensor of the graph by uid: a variant pack keyed by uid fits a graph built here and one loaded from the cache.
+_CUDNN_UIDS = {name: uid for uid, name in enumerate(("q", "k", "v", "o", "descale_q", "descale_k", "descale_v",
+                                                     "descale_s", "scale_s", "scale_o", "amax_s", "amax_o"), 1)}
+
+
 class _CudnnFp8Graph:
     """cuDNN's fp8 SDPA forward built for one (B, S, H, D, device): inputs and output are [B, S, H, D] in memory
-    (what the projections produce), seen by cuDNN as [B, H, S, D] with strides; inference only, no mask."""
+    (what the projections produce), seen by cuDNN as [B, H, S, D] with strides; inference only, no mask. Its built
+    plan is kept in the kernel cache (kernels/cache.py) where one is set: `source` says "cache" or "built"."""
 
     def __init__(self, B: int, S: int, H: int, D: int, device: torch.device) -> None:
         import cudnn
 
-        dt = cudnn.data_type
+        from . import cache
+
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in _cudnn_handles:
             with torch.cuda.device(index):
                 _cudnn_handles[index] = cudnn.create_handle()
         self.handle = _cudnn_handles[index]
+        key = (B, S, H, D, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index),
+               cudnn.backend_version(), getattr(cudnn, "__version__", ""))
+        self.graph, self.source = cache.cached_plan("cudnn-sdpa-fp8", key, load=self._load,
+                                                    build=lambda: self._build(B, S, H, D),
+                                                    save=lambda g: bytes(g.serialize()))
+        self.workspace_bytes = max(1, self.graph.get_workspace_size())
+        # P = softmax in [0, 1] goes to fp8 scaled by 448 (e4m3's largest value), as the Triton kernel does.
+        self.p_scales = torch.tensor([1.0 / FP8_MAX, FP8_MAX], dtype=torch.float32, device=device)
+
+    def _build(self, B: int, S: int, H: int, D: int) -> Any:
+        import cudnn
+
+        dt = cudnn.data_type
         g = cudnn.pygraph(io_data_type=dt.HALF, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT,
                           handle=self.handle)
         dims, strides = [B, H, S, D], [S * H * D, D, H * D, 1]
-        self.q, self.k, self.v = (g.tensor(name=n, dim=dims, stride=strides, data_type=dt.FP8_E4M3) for n in "qkv")
-        self.scalars = [g.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
-                        for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")]
-        dq, dk, dv, ds, ss, so = self.scalars
-        self.o, _, self.amax_s, self.amax_o = g.sdpa_fp8(
-            q=self.q, k=self.k, v=self.v, descale_q=dq, descale_k=dk, descale_v=dv, descale_s=ds, scale_s=ss,
+        q, k, v = (g.tensor(name=n, dim=dims, stride=strides, data_type=dt.FP8_E4M3) for n in "qkv")
+        names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+        scalars = [g.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT) for n in names]
+        dq, dk, dv, ds, ss, so = scalars
+        o, _, amax_s, amax_o = g.sdpa_fp8(
+            q=q, k=k, v=v, descale_q=dq, descale_k=dk, descale_v=dv, descale_s=ds, scale_s=ss,
             scale_o=so, is_inference=True, attn_scale=1.0 / math.sqrt(D), use_causal_mask=False)
         # Only fp8 outputs exist on Hopper (cuDNN's bf16 output needs Blackwell).
-        self.o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(dt.FP8_E4M3)
-        for t in (self.amax_s, self.amax_o):
+        o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(dt.FP8_E4M3)
+        for t in (amax_s, amax_o):
             t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(dt.FLOAT)
+        for name, t in zip(("q", "k", "v", "o", *names, "amax_s", "amax_o"), (q, k, v, o, *scalars, amax_s, amax_o)):
+            t.set_uid(_CUDNN_UIDS[name])
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
         g.build_plans()
-        self.graph = g
-        self.workspace_bytes = max(1, g.get_workspace_size())
-        # P = softmax in [0, 1] goes to fp8 scaled by 448 (e4m3's largest value), as the Triton kernel does.
-        self.p_scales = torch.tensor([1.0 / FP8_MAX, FP8_MAX], dtype=torch.float32, device=device)
+        return g
+
+    def _load(self, data: bytes) -> Any:
+        import cudnn
+
+        g = cudnn.pygraph(handle=self.handle)
+        try:
+            g.deserialize(self.handle, list(data))
+        except TypeError:  # a cudnn-frontend whose deserialize takes the data only
+            g.deserialize(list(data))
+        return g
 
     def variant_pack(self, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
                      descale_k: torch.Tensor, v_scales: torch.Tensor, o8: torch.Tensor,
-                     amax: torch.Tensor) -> dict[Any, torch.Tensor]:
-        """The graph's tensors -> their buffers for one execute: v_scales is (v's scale, the output's scale), amax
-        takes cuDNN's two reported maxima."""
+                     amax: torch.Tensor) -> dict[int, torch.Tensor]:
+        """The graph's tensor uids -> their buffers for one execute: v_scales is (v's scale, the output's scale),
+        amax takes cuDNN's two reported maxima."""
         one = (1, 1, 1, 1)
-        return {self.q: q8, self.k: k8, self.v: v8, self.o: o8,
-                self.scalars[0]: descale_q.view(one), self.scalars[1]: descale_k.view(one),
-                self.scalars[2]: v_scales[0:1].view(one), self.scalars[3]: self.p_scales[0:1].view(one),
-                self.scalars[4]: self.p_scales[1:2].view(one), self.scalars[5]: v_scales[1:2].view(one),
-                self.amax_s: amax[0:1].view(one), self.amax_o: amax[1:2].view(one)}
+        given = {"q": q8, "k": k8, "v": v8, "o": o8, "descale_q": descale_q.view(one),
+                 "descale_k": descale_k.view(one), "descale_v": v_scales[0:1].view(one),
+                 "descale_s": self.p_scales[0:1].view(one), "scale_s": self.p_scales[1:2].view(one),
+                 "scale_o": v_scales[1:2].view(one), "amax_s": amax[0:1].view(one), "amax_o": amax[1:2].view(one)}
+        return {_CUDNN_UIDS[name]: t for name, t in given.items()}
 
     def __call__(self, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
                  descale_k: torch.Tensor, v_scales: torch.Tensor) -> torch.Tensor:

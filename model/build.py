@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from kernels import cache as kernel_cache
 from model import loading
 from model.form import BATCH_DEFAULTS, ServingForm
 from model.pipeline import FluxServePipeline
@@ -31,6 +32,7 @@ def build_pipeline(form: ServingForm, shard: Callable[[torch.nn.Module], None] |
     sharding of the loaded transformer (after a fused adapter is merged into its weights, before conversion).
     `agree`: a TP rank's agreement hook for the warm-up batches (see `FluxServePipeline.generate`)."""
     t0 = time.perf_counter()
+    kernel_cache.use(form.kernel_cache_dir)  # before anything compiles
     pipe = loading.load_pipeline(form.model, device=form.device, dtype=torch_dtype(form.dtype))
     if form.loras:
         pipe.load_loras(dict(form.loras))

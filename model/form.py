@@ -23,6 +23,8 @@ class ServingForm:
     model: str
     device: str = "cpu"
     dtype: str = "float32"
+    # Where built kernels persist across restarts (kernels/cache.py); None: each library's default.
+    kernel_cache_dir: str | None = None
     # Replica lifetime: the transformer's converted form, adapters, compiled blocks and captured graphs.
     fused_projections: bool = False
     fp8: bool = False

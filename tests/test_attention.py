@@ -385,3 +385,28 @@ def test_attention_module_takes_the_cudnn_path_result_and_falls_back_when_it_ref
     (qs, ks, vs, nq, nk, c, s, mask) = seen[0]
     assert qs == (enc[0], q) and ks == (enc[1], k) and vs == (enc[2], v) and mask is None
     assert nq == (attn.norm_added_q, attn.norm_q) and nk == (attn.norm_added_k, attn.norm_k)
+
+
+@pytest.mark.gpu
+@_needs_cudnn_fp8
+def test_gpu_cudnn_plan_kept_in_the_kernel_cache_loads_and_computes_the_same_bits(tmp_path, monkeypatch) -> None:
+    """A restarted replica takes cuDNN's built plan from the kernel cache (kernels/cache.py) instead of planning
+    again, and the loaded plan computes what the built one does, bit for bit. Catches: the plan not stored, a
+    stored plan not found (key drift), a loaded plan fed the wrong tensors (uids out of order)."""
+    from kernels import cache
+
+    monkeypatch.setattr(cache, "_plans", None)
+    cache.use(str(tmp_path))
+    B, S, H, D, dev = 1, 1024, 4, 128, torch.device("cuda")
+    built = A._CudnnFp8Graph(B, S, H, D, dev)
+    assert built.source == "built" and len(list((tmp_path / "cudnn").iterdir())) == 1
+    loaded = A._CudnnFp8Graph(B, S, H, D, dev)
+    assert loaded.source == "cache"
+    g = torch.Generator(device=dev).manual_seed(0)
+    q8, k8, v8 = (torch.randn(B, S, H, D, device=dev, generator=g).to(torch.float8_e4m3fn) for _ in range(3))
+    dq, dk, vs = torch.full((1,), 0.5, device=dev), torch.full((1,), 0.25, device=dev), torch.tensor([1.0, 2.0], device=dev)
+    a, b = built(q8, k8, v8, dq, dk, vs), loaded(q8, k8, v8, dq, dk, vs)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    swapped = loaded(k8, q8, v8, dq, dk, vs)  # the uid order matters: swapping q and k changes the result
+    assert not torch.equal(a.view(torch.uint8), swapped.view(torch.uint8))
+    monkeypatch.setattr(cache, "_plans", None)
