@@ -308,16 +308,23 @@ class FluxServePipeline:
 
     def warm_up(self, sizes: list[tuple[int, int]], batch_sizes: list[int], quality: str,
                 steps: int, agree: Callable[[bool], bool] | None = None) -> list[dict[str, Any]]:
-        """One `quality` batch per (height, width) and batch size, before any request: what a shape's first batch
-        does once (Triton compilation and autotuning, the exactness gates' checks, the GELU dispatch's timing, cuDNN
-        plans, CUDA-graph capture) is done here. Each item's time is logged and kept in `warmup`."""
+        """One `quality` batch per (height, width) and batch size, and one streamed request per size, before any
+        request: what a shape's first batch does once (Triton compilation and autotuning, the exactness gates'
+        checks, the GELU dispatch's timing, cuDNN plans, CUDA-graph capture, the preview path) is done here. Each
+        item's time is logged and kept in `warmup`."""
         items = []
-        for batch in _warm_batches(sizes, batch_sizes, steps, quality):
+        # After the batches, the streamed path once per size (n = 1; a preview needs a step after the first and
+        # before the last).
+        streamed = [([r], PreviewSink(steps=(1,), emit=lambda *_: None))
+                    for (r,) in _warm_batches(sizes, [1], max(steps, 3), quality)]
+        plain = [(batch, None) for batch in _warm_batches(sizes, batch_sizes, steps, quality)]
+        for batch, previews in plain + streamed:
             t0 = time.perf_counter()
-            self.generate(batch, agree=agree)
+            self.generate(batch, agree=agree, previews=previews)
             items.append({"size": f"{batch[0].width}x{batch[0].height}", "batch": len(batch), "quality": quality,
-                          "s": round(time.perf_counter() - t0, 3)})
-            logger.info("warm-up %s x%d %s: %.2f s", items[-1]["size"], len(batch), quality, items[-1]["s"])
+                          "stream": previews is not None, "s": round(time.perf_counter() - t0, 3)})
+            logger.info("warm-up %s x%d %s%s: %.2f s", items[-1]["size"], len(batch), quality,
+                        " streamed" if previews else "", items[-1]["s"])
         self.warmup = (*self.warmup, *items)
         return items
 

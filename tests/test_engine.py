@@ -195,27 +195,36 @@ def test_warm_a_replica_runs_its_tier_at_every_warm_size_and_batch_size_before_s
                                                                                       monkeypatch) -> None:
     """Before the engine exists (so before Serve routes to the replica), its pipeline has run one batch of the
     pool's tier per warm size and batch size (a batch-invariant pool: batch 1 only), each timed in the stats; a
-    pool with `warm_up: false` runs none. Bugs caught: no warm-up, the other tier warmed, a batch size or size
-    missed."""
+    pool with `warm_up: false` runs none; then one streamed request per size, with its previews. Bugs caught: no
+    warm-up, the other tier warmed, a batch size or size missed, the streamed path left cold."""
     from model.pipeline import FluxServePipeline
 
     ran: list[tuple] = []
     real = FluxServePipeline.generate
 
+    previews: list[tuple[int, int]] = []
+
     def spy(self, requests, *a, **k):
-        ran.append((requests[0].quality, requests[0].width, requests[0].height, len(requests), requests[0].steps))
+        sink = k.get("previews")
+        ran.append((requests[0].quality, requests[0].width, requests[0].height, len(requests), requests[0].steps,
+                    sink is not None))
+        if sink is not None:  # count what the streamed path really made (the sink's emit is a no-op)
+            k["previews"] = type(sink)(sink.steps, lambda i, step, pngs: previews.append((step, len(pngs))))
         return real(self, requests, *a, **k)
 
     monkeypatch.setattr(FluxServePipeline, "generate", spy)
     high = _local(tiny_path, "high", max_batch_size=2, pools={"high": {"compile_sizes": ["64x64", "96x64"]}})
-    assert ran == [("high", 64, 64, 1, 2), ("high", 64, 64, 2, 2), ("high", 96, 64, 1, 2), ("high", 96, 64, 2, 2)]
+    assert ran == [("high", 64, 64, 1, 2, False), ("high", 64, 64, 2, 2, False), ("high", 96, 64, 1, 2, False),
+                   ("high", 96, 64, 2, 2, False), ("high", 64, 64, 1, 3, True), ("high", 96, 64, 1, 3, True)]
     items = high.stats()["warmup"]
-    assert [(i["size"], i["batch"], i["quality"]) for i in items] == [
-        ("64x64", 1, "high"), ("64x64", 2, "high"), ("96x64", 1, "high"), ("96x64", 2, "high")]
-    assert all(i["s"] > 0 for i in items)
+    assert [(i["size"], i["batch"], i["quality"], i["stream"]) for i in items] == [
+        ("64x64", 1, "high", False), ("64x64", 2, "high", False), ("96x64", 1, "high", False),
+        ("96x64", 2, "high", False), ("64x64", 1, "high", True), ("96x64", 1, "high", True)]
+    assert all(i["s"] > 0 for i in items) and previews == [(1, 1), (1, 1)]  # each streamed warm-up made its preview
     ran.clear()
     lossless = _local(tiny_path, "lossless", max_batch_size=2)  # batch-invariant: one request per call
-    assert ran == [("lossless", 256, 256, 1, 2)] and len(lossless.stats()["warmup"]) == 1
+    assert ran == [("lossless", 256, 256, 1, 2, False), ("lossless", 256, 256, 1, 3, True)]
+    assert len(lossless.stats()["warmup"]) == 2
     ran.clear()
     _local(tiny_path, "lossless", pools={"lossless": {"warm_up": False}})
     assert ran == []

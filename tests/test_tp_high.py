@@ -98,8 +98,8 @@ def test_both_ranks_agree_and_match_tp_1(high_run: dict, tiny_path: Path) -> Non
     for r in range(WORLD):
         assert ranks[r]["setup"]["heads_per_rank"] == 2
         # every rank warmed up the same batches before setup returned (in step: the ranks' collectives met)
-        assert [(i["size"], i["batch"], i["quality"]) for i in ranks[r]["setup"]["warmup"]] == [
-            ("64x64", 1, "high"), ("64x64", 2, "high")]
+        assert [(i["size"], i["batch"], i["quality"], i["stream"]) for i in ranks[r]["setup"]["warmup"]] == [
+            ("64x64", 1, "high", False), ("64x64", 2, "high", False), ("64x64", 1, "high", True)]
         assert ranks[r]["form"].techniques() == {"fused_projections", "fused_lora"}
     tp1 = build_pipeline(_form(str(tiny_path), str(high_run["outdir"] / "ink.safetensors")))
     for threshold in (0.9, 0.0):
