@@ -3,8 +3,9 @@ GPU (fractional GPUs, gloo: tp.dist.resolve_backend's testing mode). Skipped wit
 
 The model is FLUX.1-dev's transformer width with few blocks and random weights (the tiny preset's text encoders and
 VAE), written to a folder and loaded like any local FLUX.1 folder. Over HTTP: lossless PNG bytes equal stock
-diffusers' (the contract), the high pool answers with its GELU sites mounted on both ranks, and its image differs
-from lossless by what the tier admits (reported as PSNR; random weights make it a weak quality figure).
+diffusers' (the contract); the tp 2 high pool, in the served high form (fp8, fused projections, fast norms, 8-bit
+attention, CUDA graphs), answers a plain, a streamed and a step-cache request; a second app whose tp 2 high pool
+serves an adapter answers per-request LoRA. Images are compared as PSNR (random weights: a weak quality figure).
 """
 
 from __future__ import annotations
@@ -58,19 +59,20 @@ def gpu_app(dev_width_folder: Path):
 
     rt = tempfile.mkdtemp(prefix="rt", dir="/tmp")
     os.environ.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": rt})
-    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, log_to_driver=True)
+    ray.init(num_cpus=12, num_gpus=1, include_dashboard=False, log_to_driver=True)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "model": str(dev_width_folder), "dtype": "bfloat16", "device": "cuda", "default_size": f"{SIZE}x{SIZE}",
         "default_steps": STEPS, "request_timeout_s": 240,
         "pools": {"lossless": {"tp": 1},
-                  "high": {"tp": 2, "backend": "gloo", "rank_resources": {"CPU": 1, "GPU": 0.4}}},
+                  "high": {"tp": 2, "backend": "gloo", "rank_resources": {"CPU": 1, "GPU": 0.2},
+                           "cuda_graphs": True}},  # with graphs the high defaults are the whole served set
     }
-    opts = {"lossless": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.2}},
+    opts = {"lossless": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.1}},
             "high": {"num_replicas": 1}, "Ingress": {"ray_actor_options": {"num_cpus": 0.1}}}
     serve.run(build_app_with_options(args, opts), name="gpu", route_prefix="/")
-    yield {"url": f"http://127.0.0.1:{port}", "folder": dev_width_folder}
+    yield {"url": f"http://127.0.0.1:{port}", "folder": dev_width_folder, "args": args, "opts": opts}
     serve.shutdown()
     ray.shutdown()
     shutil.rmtree(rt, ignore_errors=True)
@@ -93,7 +95,9 @@ def test_one_gpu_app_lossless_tp1_equals_diffusers_and_high_tp2_mounts(gpu_app: 
     high = requests.post(url, json={**body, "quality": "high"}, timeout=600)
     assert high.status_code == 200, high.text
     assert lossless.json()["pool"] == "lossless" and high.json()["pool"] == "high"
-    assert high.json()["ran"]["gelu_sites"] > 0  # agreed on both ranks (a refusal anywhere mounts nowhere)
+    ran = high.json()["ran"]  # the served high set, on both ranks (a site refused anywhere is switched on nowhere)
+    assert ran["fp8_layers"] > 0 and ran["fused_projections"] and ran["graphed"], ran
+    assert ran["fast_norm_sites"] > 0 and ran["attention8_sites"] > 0, ran
 
     ours = load_pipeline(str(gpu_app["folder"]), device="cuda", dtype=torch.bfloat16)
     reference = diffusers_reference(ours)
@@ -119,9 +123,65 @@ def test_one_gpu_app_lossless_tp1_equals_diffusers_and_high_tp2_mounts(gpu_app: 
 
     a, b = (np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))) for r in
             (lossless, high))
-    quality = {"psnr_db": psnr(a, b), "ssim": ssim(a, b), "high_mounted_sites": high.json()["ran"]["gelu_sites"],
+    # a step-cache request on the graphed tp 2 form: one skip decision for both ranks, blocks after the first replayed
+    cached = requests.post(url, json={**body, "quality": "high", "steps": 8, "step_cache": 0.9}, timeout=600)
+    assert cached.status_code == 200, cached.text
+    assert cached.json()["ran"]["step_cache"] == 0.9 and cached.json()["ran"]["graphed"], cached.json()["ran"]
+    assert cached.json()["timings"]["cached_steps"] >= 1, cached.json()["timings"]
+
+    quality = {"psnr_db": psnr(a, b), "ssim": ssim(a, b), "high_ran": ran,
+               "cached_steps_of_8": cached.json()["timings"]["cached_steps"],
                "lossless_s": lossless.json()["timings"]["ingress_total_s"],
                "high_tp2_s": high.json()["timings"]["ingress_total_s"]}
     record_property("one_gpu_app", quality)
     print("one-GPU app:", quality)
     assert quality["psnr_db"] > 20.0
+
+
+def test_one_gpu_app_tp2_high_pool_answers_per_request_lora(gpu_app: dict, tmp_path: Path, record_property) -> None:
+    """A second app whose tp 2 high pool serves an adapter (its LoRA layers sharded with their base layers on both
+    ranks sharing the GPU): a request naming it, one not, each against a tp 1 pipeline of the same form built here.
+    A row-parallel LoRA term added on both ranks (or on one only) misses tp 1 by far more than the bound; the
+    adapter's own effect is checked larger than the tp 2 / tp 1 difference."""
+    pytest.importorskip("peft")
+    import requests
+    import torch
+    from ray import serve
+
+    from deployments.app import build_app_with_options
+    from deployments.config import AppArgs
+    from model.build import build_pipeline
+    from model.loading import load_pipeline
+    from model.request import GenerationRequest
+    from tests._inputs import png_psnr, write_random_lora
+
+    base = load_pipeline(str(gpu_app["folder"]), device="cpu", dtype=torch.float32)
+    path = write_random_lora(base.transformer, tmp_path / "ink.safetensors", seed=7)
+    del base
+    args = {**gpu_app["args"], "loras": {"ink": str(path)},
+            "pools": {"lossless": {"tp": 1}, "high": {"tp": 2, "backend": "gloo",
+                                                      "rank_resources": {"CPU": 0.5, "GPU": 0.2}}}}
+    opts = {**gpu_app["opts"], "lossless": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5,
+                                                                                     "num_gpus": 0.1}}}
+    serve.run(build_app_with_options(args, opts), name="gpulora", route_prefix="/gpulora")
+    try:
+        url = gpu_app["url"] + "/gpulora/v1/images/generations"
+        body = {"prompt": "a red fox in the snow", "seed": 7, "quality": "high"}
+        inked = requests.post(url, json={**body, "lora": [{"name": "ink", "scale": 0.8}]}, timeout=600)
+        plain = requests.post(url, json=body, timeout=600)
+    finally:
+        serve.delete("gpulora")
+    assert inked.status_code == 200 and plain.status_code == 200, (inked.text, plain.text)
+    assert inked.json()["ran"]["adapters"] == [{"name": "ink", "scale": 0.8}] and plain.json()["ran"]["adapters"] == []
+    form = AppArgs.parse({**args, "pools": {"high": {"tp": 1, "warm_up": False}}}).form("high")
+    tp1 = build_pipeline(form)
+    psnr = {}
+    for res, loras in ((inked, (("ink", 0.8),)), (plain, ())):
+        (ref,) = tp1.generate([GenerationRequest(body["prompt"], height=SIZE, width=SIZE, steps=STEPS, seed=7,
+                                                 quality="high", loras=loras)])
+        psnr[loras] = png_psnr(base64.b64decode(res.json()["data"][0]["b64_json"]), ref.png)
+    effect = png_psnr(*(base64.b64decode(r.json()["data"][0]["b64_json"]) for r in (inked, plain)))
+    record_property("one_gpu_app_lora", {"psnr_vs_tp1_db": {str(k): v for k, v in psnr.items()},
+                                         "adapter_effect_psnr_db": effect})
+    print("one-GPU app LoRA:", psnr, "adapter effect", effect)
+    assert min(psnr.values()) >= 30.0 and effect < min(psnr.values()) - 5.0
