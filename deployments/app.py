@@ -32,6 +32,9 @@ def pool_options(pool: str, p: PoolArgs, args: AppArgs) -> dict[str, Any]:
         "max_ongoing_requests": max(2 * args.max_batch_size, 4),
         # Bounded queue at the callers (the ingress): a burst past it is shed (BackPressureError -> 503).
         "max_queued_requests": args.max_queued_requests,
+        # A replica being stopped (scale-down, redeploy, app shutdown) takes no new request and finishes those it
+        # holds, for as long as a request may take.
+        "graceful_shutdown_timeout_s": args.request_timeout_s,
     }
     if p.tp > 1:
         resolve_backend(p.backend, args.device, p.ranks_share_gpu)  # a backend that cannot run fails the build
@@ -67,6 +70,7 @@ def build_app_with_options(
         for q in QUALITIES
     }
     files = ImageFiles.options(**extra.get("ImageFiles", {})).bind(args.image_url_ttl_s, args.image_url_max_bytes)
-    return Ingress.options(**extra.get("Ingress", {})).bind(
+    ingress = {"graceful_shutdown_timeout_s": args.request_timeout_s, **extra.get("Ingress", {})}
+    return Ingress.options(**ingress).bind(
         pools["lossless"], pools["high"], files, plain, model_name(args)
     )

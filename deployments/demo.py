@@ -23,11 +23,14 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from model.request import DEFAULT_PROMPT
+
+if TYPE_CHECKING:
+    from deployments.config import AppArgs
 
 
 _EXAMPLE = "a large blue square in the center, on a white background"
@@ -75,29 +78,34 @@ def sigint_as_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def preflight(cfg: dict[str, Any]) -> None:
+def preflight(cfg: dict[str, Any]) -> list["AppArgs"]:
     """What would fail every replica of the config's applications, found before anything starts (`serve run` would
     keep running and retry them): args that do not parse, an API-keys file that cannot be read, a model folder that
-    is missing or incomplete. Raises ValueError or model.loading.ModelLoadError with the reason."""
+    is missing or incomplete. Raises ValueError or model.loading.ModelLoadError with the reason; returns each
+    application's parsed args."""
     from deployments.config import AppArgs
     from model.loading import check_source
 
+    parsed = []
     for app in cfg.get("applications", []):
         args = AppArgs.parse(app.get("args"))
         args.load_api_keys()
         check_source(args.model)
+        parsed.append(args)
+    return parsed
 
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the demo the way Ctrl-C does: `serve run` and its Ray go down first
 
 
-def stop(child: subprocess.Popen) -> None:
-    """SIGINT lets `serve run` shut Serve and Ray down cleanly (~8 s); kill only if it hangs."""
+def stop(child: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGINT lets `serve run` shut Serve and Ray down cleanly (~8 s, more while replicas finish the requests they
+    hold); kill only if it hangs past `grace_s`."""
     if child.poll() is None:
         child.send_signal(signal.SIGINT)
         try:
-            child.wait(timeout=60)
+            child.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
@@ -120,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from model.loading import ModelLoadError
 
     try:
-        preflight(cfg)
+        apps = preflight(cfg)
     except (ValueError, ModelLoadError) as exc:
         print(f"error: {args.config}: {exc}", file=sys.stderr)
         return 2
@@ -169,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        stop(child)
+        # in-flight requests may take up to their deadline to finish (the replicas' graceful shutdown)
+        stop(child, max((a.request_timeout_s for a in apps), default=0.0) + 60.0)
         if config_path != args.config:
             os.unlink(config_path)
 

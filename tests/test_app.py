@@ -80,7 +80,7 @@ def test_a_config_that_cannot_serve_stops_the_demo_before_serve_starts(tmp_path,
     assert demo.main(["--config", str(path), "--once"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}: ") and reason in err, err
-    assert demo.preflight(yaml.safe_load(shipped.read_text())) is None  # the shipped config passes
+    assert [a.model for a in demo.preflight(yaml.safe_load(shipped.read_text()))] == ["toy"]  # the shipped config passes
 
 
 def test_the_demo_serves_on_the_host_and_port_it_is_given(tmp_path, monkeypatch) -> None:
@@ -117,3 +117,20 @@ def test_the_demo_serves_on_the_host_and_port_it_is_given(tmp_path, monkeypatch)
     assert seen["config"]["applications"] == yaml.safe_load(Path(shipped).read_text())["applications"]
     assert not Path(seen["path"]).exists() and seen["path"] != shipped
     assert seen["urls"] == ["http://127.0.0.1:8123/readyz"]
+
+
+@pytest.mark.parametrize("config", ["serve_config.yaml", "serve_config.h200.yaml", None])
+def test_shutdown_a_stopped_replica_keeps_its_requests_for_as_long_as_one_may_take(config: str | None) -> None:
+    """Scale-down, redeploy or shutdown: Serve stops routing to the replica, then waits up to its
+    graceful_shutdown_timeout_s for what it holds before killing it. The ingress and every pool wait as long as a
+    request may take (args.request_timeout_s); Serve's default (20 s) would cut a queued 1024x1024 batch short.
+    (A request finishing while its app is deleted: tests/test_serve.py::test_shutdown_an_in_flight_request_finishes.)"""
+    raw = yaml.safe_load((ROOT / config).read_text())["applications"][0]["args"] if config else {"request_timeout_s": 77}
+    args = AppArgs.parse(raw)
+    ingress = build_app_with_options(raw)._bound_deployment
+    assert ingress._deployment_config.graceful_shutdown_timeout_s == args.request_timeout_s
+    for name, deployment in _pools(raw).items():
+        assert deployment._deployment_config.graceful_shutdown_timeout_s == args.request_timeout_s, name
+    if config:
+        for entry in yaml.safe_load((ROOT / config).read_text())["applications"][0].get("deployments", []):
+            assert entry.get("graceful_shutdown_timeout_s", args.request_timeout_s) >= args.request_timeout_s, entry

@@ -826,13 +826,13 @@ def test_a_burst_beyond_capacity_is_shed_and_nothing_is_lost(burst_app: dict) ->
 
 
 def test_retry_a_replica_killed_during_a_burst_loses_no_request(serve_app: dict) -> None:
-    """A lossless replica killed while a burst of seeded requests is in flight on both: every request answers 200
+    """A lossless replica killed while a burst of 60 seeded requests is in flight on both: every request answers 200
     with its seed's bytes (the ingress re-runs each one whose replica died, once, and counts it). Bug caught: no
     re-run (the requests on the dead replica answer 503)."""
     import ray
     from ray import serve
 
-    n = 12
+    n = 60
     lossless = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}}
     with _side_app(serve_app, "retry", lossless_options=lossless) as app:
         handle = serve.get_deployment_handle("lossless", app_name="retry")
@@ -849,7 +849,7 @@ def test_retry_a_replica_killed_during_a_burst_loses_no_request(serve_app: dict)
         async def burst() -> list:
             async with httpx.AsyncClient(timeout=120) as c:
                 url = app["url"] + "/v1/images/generations"
-                tasks = [asyncio.create_task(c.post(url, json={"prompt": BLOCKER, "size": "64x64", "steps": 2,
+                tasks = [asyncio.create_task(c.post(url, json={"prompt": BLOCKER, "size": "64x64", "steps": 1,
                                                                 "seed": 100 + i})) for i in range(n)]
                 await asyncio.sleep(1.5)  # every replica holds a batch by now
                 ray.kill(ray.get_actor(victim, namespace=namespace), no_restart=True)
@@ -861,8 +861,32 @@ def test_retry_a_replica_killed_during_a_burst_loses_no_request(serve_app: dict)
     assert retried["lossless"] >= 1 and retried["high"] == 0
     for i, r in enumerate(responses):
         assert base64.b64decode(r.json()["data"][0]["b64_json"]) == _direct_png(
-            serve_app["pipe"], prompt=BLOCKER, height=64, width=64, steps=2, guidance=3.5, seed=100 + i,
+            serve_app["pipe"], prompt=BLOCKER, height=64, width=64, steps=1, guidance=3.5, seed=100 + i,
             quality="lossless"), i
+
+
+def test_shutdown_an_in_flight_request_finishes_when_its_app_is_deleted(serve_app: dict) -> None:
+    """An app deleted (as on `serve run`'s Ctrl-C, a redeploy or a scale-down) while a request is in flight: the
+    request still answers 200 with its seed's bytes, the replicas stopping only once it is done. Bug caught: a
+    stopped replica dropping what it holds (the request would see a 5xx or a dropped connection)."""
+    from ray import serve
+
+    body = {"prompt": BLOCKER, "size": "64x64", "steps": 4, "seed": 5}  # ~2 s in the pool
+    with _side_app(serve_app, "drain") as app:
+        assert _post(app, {**body, "steps": 1}).status_code == 200  # up and warm
+        result: dict[str, Any] = {}
+        worker = threading.Thread(target=lambda: result.update(r=_post(app, body, timeout=120)))
+        worker.start()
+        time.sleep(1.0)  # the request is denoising in the lossless replica
+        t0 = time.monotonic()
+        serve.delete("drain")  # (the fixture's own delete then finds nothing)
+        deleted_after = time.monotonic() - t0
+        worker.join(timeout=120)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert base64.b64decode(r.json()["data"][0]["b64_json"]) == _direct_png(
+        serve_app["pipe"], prompt=BLOCKER, height=64, width=64, steps=4, guidance=3.5, seed=5, quality="lossless")
+    assert deleted_after >= 0.5  # the deletion waited for the request
 
 
 def test_dead_high_pool_gives_5xx_json_then_recovers(serve_app: dict) -> None:
