@@ -108,12 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1))
     rows = [f"| {i['size']} | {i['batch']} | {'yes' if i['warm_set'] else 'no'} | {i['first_s']} | {i['warm_s']} | "
             f"{i['first_over_warm']} |" for i in cold["items"]]
+    items = [f"| {a['size']} x{a['batch']}{' streamed' if a.get('stream') else ''} | {a['s']} | {b['s']} |"
+             for a, b in zip(cold["warmup"], warm_cache["warmup"])]
     out.with_suffix(".md").write_text(
         f"# Warm-up before ready: {args.model}, pool {args.pool}, {gpu}\n\nRandom weights: times only.\n\n"
         f"Ready (build + warm-up): {cold['ready_s']} s with empty kernel caches, {warm_cache['ready_s']} s with the "
         f"caches the first start left. Largest first / warm over the warm set: {result['first_over_warm_max']}.\n\n"
         "| size | batch | in the warm set | first request s | warm s (median) | first / warm |\n"
-        "| --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows) + f"\n\nCommand:\n\n```\n{result['command']}\n```\n")
+        "| --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows) + f"\n\nCommand:\n\n```\n{result['command']}\n```\n"
+        "\nWarm-up items (s) with empty kernel caches and with what the first start left:\n\n"
+        "| item | empty caches | warm caches |\n| --- | --- | --- |\n" + "\n".join(items) + "\n")
     print(out.with_suffix(".md").read_text())
     return 0
 
