@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--host", default=None, help="address the app listens on (default: the config's http_options)")
     p.add_argument("--port", type=int, default=None, help="port the app listens on (default: the config's)")
+    p.add_argument("--check", action="store_true",
+                   help="only check the config (args, API-keys file, model folder): exit 0, or 2 with the reason")
     args = p.parse_args(argv)
 
     cfg = yaml.safe_load(Path(args.config).read_text())
@@ -132,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ModelLoadError) as exc:
         print(f"error: {args.config}: {exc}", file=sys.stderr)
         return 2
+    if args.check:
+        print(f"{args.config}: ok", flush=True)
+        return 0
     http = cfg.get("http_options", {})
     host = http.get("host", "127.0.0.1")
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
@@ -151,22 +156,24 @@ def main(argv: list[str] | None = None) -> int:
         with os.fdopen(fd, "w") as f:
             yaml.safe_dump(cfg, f)
     print(f"starting: serve run {args.config}  (app on {base})", flush=True)
+    t0 = time.monotonic()
     child = subprocess.Popen([serve_bin, "run", config_path], env=env, preexec_fn=sigint_as_default)
     try:
-        t0 = time.monotonic()
         wait_ready(base, child, args.ready_timeout)
         print(f"ready after {time.monotonic() - t0:.1f} s", flush=True)
         for quality in ("lossless", "high"):
             body = {"prompt": args.prompt, "seed": 42, "quality": quality}
+            t = time.monotonic()
             status, headers, content = _http(base + "/v1/images/generations", body, accept="image/png")
+            took = time.monotonic() - t
             if status != 200:
                 print(f"{quality}: HTTP {status}: {content.decode(errors='replace')}", file=sys.stderr)
                 return 1
             out = Path(args.out) if quality == "lossless" else Path(args.out).with_suffix(".high.png")
             out.write_bytes(content)
             info = {k: v for k, v in headers.items() if k.lower().startswith("x-")}
-            print(f"{quality}: wrote {out} ({len(content)} bytes, md5 {hashlib.md5(content).hexdigest()}) {info}",
-                  flush=True)
+            print(f"{quality}: wrote {out} in {took:.2f} s, {time.monotonic() - t0:.1f} s after start ({len(content)} "
+                  f"bytes, md5 {hashlib.md5(content).hexdigest()}) {info}", flush=True)
         print(f"\ntry it yourself:\n  curl -s {base}/v1/images/generations -H 'Content-Type: application/json' "
               f"-H 'Accept: image/png' -d '{{\"prompt\": \"{_EXAMPLE}\", \"seed\": 1}}' -o shapes.png\n"
               f"  API docs: {base}/docs", flush=True)

@@ -212,13 +212,30 @@ def _load_single(root: Path, single: Path, dtype: torch.dtype, cls: type, family
         return cls.from_single_file(str(single), config=tmp, local_files_only=True, **_dtype_kwarg(dtype)).eval()
 
 
-def _not_about_our_transformer(record: logging.LogRecord) -> bool:
-    # diffusers warns that a pipeline's transformer is not its own class; ours is such a stand-in by design (the
-    # same modules and parameter names, model/flux.py), so the warning would only alarm an operator.
-    return not record.getMessage().startswith("Expected types for transformer:")
+# Library warnings every replica and TP rank would log that say nothing an operator can act on, by logger: each
+# dropped message's start (only those; everything else from the same logger still shows).
+QUIET_WARNINGS: dict[str, tuple[str, ...]] = {
+    # diffusers: the pipeline's transformer is not its own class. Ours is a stand-in by design (the same modules and
+    # parameter names, model/flux.py).
+    "diffusers.pipelines.pipeline_utils": ("Expected types for transformer:",),
+    # transformers: an image processor class resolved without torchvision. FLUX pipelines list an optional image
+    # encoder's processor (IP-Adapter), which nothing here uses.
+    "transformers.utils.import_utils": ("`CLIPImageProcessor` requires torchvision",
+                                        "`SiglipImageProcessor` requires torchvision"),
+}
 
 
-logging.getLogger("diffusers.pipelines.pipeline_utils").addFilter(_not_about_our_transformer)
+class _Quiet(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+for _name, _starts in QUIET_WARNINGS.items():
+    logging.getLogger(_name).addFilter(_Quiet(_starts))
 
 
 def load_diffusers_pipeline(folder: str | os.PathLike[str], transformer: torch.nn.Module,

@@ -81,6 +81,17 @@ def test_a_config_that_cannot_serve_stops_the_demo_before_serve_starts(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}: ") and reason in err, err
     assert [a.model for a in demo.preflight(yaml.safe_load(shipped.read_text()))] == ["toy"]  # the shipped config passes
+    assert demo.main(["--config", str(path), "--check"]) == 2 and reason in capsys.readouterr().err
+
+
+def test_the_demo_check_passes_the_shipped_configs_and_starts_nothing(capsys, monkeypatch) -> None:
+    """`--check` is the config check alone (for `... --check && serve run serve_config.yaml`): 0 and "ok"."""
+    from deployments import demo
+
+    monkeypatch.setattr(demo.subprocess, "Popen", lambda *a, **k: pytest.fail("serve run was started"))
+    shipped = Path(__file__).resolve().parents[1] / "serve_config.yaml"
+    assert demo.main(["--config", str(shipped), "--check"]) == 0
+    assert capsys.readouterr().out.strip() == f"{shipped}: ok"
 
 
 def test_the_demo_serves_on_the_host_and_port_it_is_given(tmp_path, monkeypatch) -> None:

@@ -669,19 +669,25 @@ def test_each_result_reports_what_its_batch_ran(tiny_path) -> None:
 
 
 def test_loading_does_not_warn_that_our_transformer_is_not_diffusers(tiny_path: Path) -> None:
-    """diffusers' type check of a pipeline's components flags our transformer (a stand-in by design): that one
-    warning is dropped from the logs, and only that one."""
+    """diffusers' type check of a pipeline's components flags our transformer (a stand-in by design), and
+    transformers warns that an image processor nothing here uses lacks torchvision: those warnings are dropped from
+    the logs, and only those."""
     import logging
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    log = logging.getLogger("diffusers.pipelines.pipeline_utils")
-    log.addHandler(handler)
+    logs = [logging.getLogger(n) for n in ("diffusers.pipelines.pipeline_utils", "transformers.utils.import_utils")]
+    for log in logs:
+        log.addHandler(handler)
     try:
         load_pipeline(str(tiny_path))
-        log.warning("Expected types for vae: (A,), got B.")
+        logs[0].warning("Expected types for transformer: (A,), got B.")
+        logs[0].warning("Expected types for vae: (A,), got B.")
+        logs[1].warning("`CLIPImageProcessor` requires torchvision (not installed); falling back to ...")
+        logs[1].warning("`Other` requires torchvision (not installed)")
     finally:
-        log.removeHandler(handler)
-    assert [r.getMessage() for r in records if r.getMessage().startswith("Expected types")] == [
-        "Expected types for vae: (A,), got B."]
+        for log in logs:
+            log.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["Expected types for vae: (A,), got B.",
+                                                 "`Other` requires torchvision (not installed)"]
