@@ -177,6 +177,8 @@ class FluxServePipeline:
         # CUDA graphs of the transformer step; None until enable_cuda_graphs().
         self._step_graphs: StepGraphs | None = None
         self.warmup: tuple[dict[str, Any], ...] = ()  # what warm_up ran: size, batch, quality, seconds
+        self._shapes_seen: set[tuple] = set()  # (width, height, batch, quality, streamed) of every batch run
+        self._warming = False
         self.fp8_layers = 0  # fp8 linear layers the conversion made (reported in each result's `ran`)
         # generate() mounts/unmounts sites on the shared transformer: never let two batches interleave.
         self._lock = threading.Lock()
@@ -318,13 +320,17 @@ class FluxServePipeline:
         streamed = [([r], PreviewSink(steps=(1,), emit=lambda *_: None))
                     for (r,) in _warm_batches(sizes, [1], max(steps, 3), quality)]
         plain = [(batch, None) for batch in _warm_batches(sizes, batch_sizes, steps, quality)]
-        for batch, previews in plain + streamed:
-            t0 = time.perf_counter()
-            self.generate(batch, agree=agree, previews=previews)
-            items.append({"size": f"{batch[0].width}x{batch[0].height}", "batch": len(batch), "quality": quality,
-                          "stream": previews is not None, "s": round(time.perf_counter() - t0, 3)})
-            logger.info("warm-up %s x%d %s%s: %.2f s", items[-1]["size"], len(batch), quality,
-                        " streamed" if previews else "", items[-1]["s"])
+        self._warming = True
+        try:
+            for batch, previews in plain + streamed:
+                t0 = time.perf_counter()
+                self.generate(batch, agree=agree, previews=previews)
+                items.append({"size": f"{batch[0].width}x{batch[0].height}", "batch": len(batch), "quality": quality,
+                              "stream": previews is not None, "s": round(time.perf_counter() - t0, 3)})
+                logger.info("warm-up %s x%d %s%s: %.2f s", items[-1]["size"], len(batch), quality,
+                            " streamed" if previews else "", items[-1]["s"])
+        finally:
+            self._warming = False
         self.warmup = (*self.warmup, *items)
         return items
 
@@ -467,6 +473,12 @@ class FluxServePipeline:
             t2 = time.perf_counter()
             graphed = self._step_graphs is not None and self._step_graphs.replays > replays
         timings = {"mount_s": t1 - t0, "pipeline_s": t2 - t1, "total_s": t2 - t0, "batch_size": float(len(requests))}
+        shape = (requests[0].width, requests[0].height, len(requests), quality, previews is not None)
+        if shape not in self._shapes_seen:
+            self._shapes_seen.add(shape)
+            if self.warmup and not self._warming:  # a warmed replica's first batch of a shape it did not warm up
+                logger.info("first %s batch of %dx%d x%d%s, outside the warm set: %.2f s", quality, *shape[:3],
+                            " streamed" if previews is not None else "", t2 - t0)
         if report.step_cache is not None:
             timings["cached_steps"] = float(report.step_cache.skipped)
         ran = Ran(gelu_sites=report.mounted_sites, fast_norm_sites=report.fast_norm_sites,

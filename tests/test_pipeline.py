@@ -691,3 +691,23 @@ def test_loading_does_not_warn_that_our_transformer_is_not_diffusers(tiny_path: 
             log.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["Expected types for vae: (A,), got B.",
                                                  "`Other` requires torchvision (not installed)"]
+
+
+def test_warm_a_shape_outside_the_warm_set_is_logged_once_with_its_time(tiny_path: Path, caplog) -> None:
+    """A warmed replica names the first batch of each shape it did not warm up, with what it cost (that is where a
+    cold kernel compile or graph capture shows); warmed shapes and repeats stay quiet."""
+    import logging
+
+    from model.pipeline import GenerationRequest
+
+    pipe = load_pipeline(str(tiny_path))
+    pipe.warm_up([(64, 64)], [1], "lossless", steps=2)
+    req = lambda h, w, b=1: [GenerationRequest("x", height=h, width=w, steps=2, seed=i) for i in range(b)]  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="model.pipeline"):
+        pipe.generate(req(64, 64))
+        pipe.generate(req(64, 96))
+        pipe.generate(req(64, 96))
+        pipe.generate(req(64, 64, 2))
+    cold = [r.getMessage() for r in caplog.records if "outside the warm set" in r.getMessage()]
+    assert [m.split(":")[0] for m in cold] == ["first lossless batch of 96x64 x1, outside the warm set",
+                                               "first lossless batch of 64x64 x2, outside the warm set"], cold
