@@ -13,7 +13,7 @@ from typing import Any
 from deployments.errors import BadRequest
 from model.features import FEATURES, POOL_OPTIONS, Feature, app_techniques, is_on, refusal
 from model.form import ServingForm
-from model.request import DEFAULT_MODEL, DEFAULT_STEPS, DTYPES, QUALITIES, SizeError, step_cache_error
+from model.request import DEFAULT_MODEL, DEFAULT_STEPS, DTYPES, MAX_INPUT_PIXELS, QUALITIES, SizeError, step_cache_error
 from model.request import parse_size as parse_request_size
 
 
@@ -32,6 +32,13 @@ class Limits:
     max_guidance: float = 30.0
     max_loras: int = 4  # LoRA adapters one request may combine
     max_lora_scale: float = 8.0  # |scale| of each
+    # Edit inputs: bytes of one image or mask, and pixels its header may state (checked before decoding).
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_input_pixels: int = MAX_INPUT_PIXELS
+    # A request body (413 past it, before it is read whole), and a multipart body's parts.
+    max_body_bytes: int = 48 * 1024 * 1024
+    max_form_files: int = 4
+    max_form_fields: int = 64
 
     def check_size(self, size: str) -> tuple[int, int]:
         """A request's "WxH" -> (height, width) within these limits; BadRequest("size", reason) otherwise."""
@@ -173,6 +180,10 @@ class AppArgs:
                 if reason is not None:
                     raise ValueError(reason)
         args = AppArgs(limits=Limits(**limits_raw), pools=pools, **raw)
+        for f in fields(Limits):
+            value = getattr(args.limits, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"args.limits.{f.name} must be a number > 0, got {value!r}")
         if args.default_quality not in QUALITIES:
             raise ValueError(f"args.default_quality must be one of {QUALITIES}, got {args.default_quality!r}")
         if args.dtype not in DTYPES:

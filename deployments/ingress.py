@@ -24,7 +24,7 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from deployments import auth
+from deployments import auth, body
 from deployments.config import AppArgs
 from deployments.errors import BadRequest, GenerationFailed, OutOfMemory, PoolUnavailable
 from deployments.schema import ImageRequest, ImageResponse, Validated, encode_image, validate, validate_edit
@@ -66,6 +66,7 @@ async def _on_invalid_body(request: Request, exc: RequestValidationError) -> JSO
     return _error(400, msg, "invalid_request_error", param)
 
 
+api.add_middleware(body.BodyLimit)  # inside the key check: a request without a key is refused before its body is read
 api.middleware("http")(auth.require_api_key)
 
 
@@ -163,6 +164,7 @@ class Ingress:
         self.files = files
         keys = self.args.load_api_keys()
         auth.set_keys(keys)
+        body.configure(self.args.limits.max_body_bytes)
         logger.info("ingress: API keys %s", f"required ({len(keys)} keys)" if keys else "off")  # never the keys
         self.model_name = model_name
         self.pools: dict[str, DeploymentHandle] = {"lossless": lossless, "high": high}
@@ -274,7 +276,8 @@ class Ingress:
         try:
             if not request.headers.get("content-type", "").startswith("multipart/form-data"):
                 raise ValueError(f"got Content-Type {request.headers.get('content-type')!r}")
-            form = await request.form()
+            limits = self.args.limits
+            form = await request.form(max_files=limits.max_form_files, max_fields=limits.max_form_fields)
             for key, value in form.multi_items():
                 name = key.removesuffix("[]")  # the openai client may send `image[]`
                 if isinstance(value, str):
@@ -285,7 +288,8 @@ class Ingress:
             self.m_requests.inc(tags={"pool": "none", "status": "400"})
             return _error(400, f"the body must be multipart/form-data ({_reason(e)})", "invalid_request_error")
         try:
-            v = validate_edit(fields, files, self.args, self.model_name)
+            # decoding images takes CPU time: off the event loop, so other requests keep flowing meanwhile
+            v = await asyncio.to_thread(validate_edit, fields, files, self.args, self.model_name)
         except BadRequest as e:
             self.m_requests.inc(tags={"pool": "none", "status": "400"})
             return _error(400, e.message, "invalid_request_error", e.param)

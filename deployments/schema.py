@@ -240,7 +240,6 @@ def _loras(refs: list[LoraRef], args: AppArgs) -> tuple[tuple[str, float], ...]:
 
 # -- POST /v1/images/edits ---------------------------------------------------------------------------------------
 
-MAX_EDIT_IMAGE_BYTES = 20 * 1024 * 1024
 _FORM_INTS = ("n", "steps", "seed", "output_compression", "partial_images")
 _FORM_FLOATS = ("guidance", "timeout_s", "step_cache")
 _FORM_BOOLS = {"true": True, "false": False, "1": True, "0": False}
@@ -282,19 +281,22 @@ def validate_edit(fields: dict[str, str], files: dict[str, bytes], args: AppArgs
     image = files.get("image")
     if image is None:
         raise BadRequest("image", "an edit needs an image file (multipart field `image`)")
+    limits = args.limits
     for name, data in (("image", image), ("mask", files.get("mask"))):
-        if data is not None and len(data) > MAX_EDIT_IMAGE_BYTES:
-            raise BadRequest(name, f"{name} is too large: {len(data)} bytes, at most {MAX_EDIT_IMAGE_BYTES}")
+        if data is not None and len(data) > limits.max_image_bytes:
+            raise BadRequest(name, f"{name} is too large: {len(data)} bytes, at most {limits.max_image_bytes}")
     try:
-        source = decode_image(image, "image")
-        mask_image = None if files.get("mask") is None else decode_image(files["mask"], "mask")
+        source = decode_image(image, "image", limits.max_input_pixels)
+        mask_image = None if files.get("mask") is None else decode_image(files["mask"], "mask",
+                                                                           limits.max_input_pixels)
     except ValueError as exc:
         raise BadRequest("mask" if str(exc).startswith("mask") else "image", str(exc)) from None
     if mask_image is not None and mask_image.size != source.size:
         raise BadRequest("mask", f"mask must be the size of the image ({source.size[0]}x{source.size[1]}), got "
                                  f"{mask_image.size[0]}x{mask_image.size[1]}")
-    if fields.get("size") in (None, "auto"):
-        multiple = args.limits.size_multiple
+    sized_by_image = fields.get("size") in (None, "auto")
+    if sized_by_image:
+        multiple = limits.size_multiple
         fields["size"] = f"{source.size[0] // multiple * multiple}x{source.size[1] // multiple * multiple}"
     try:
         req = ImageRequest(**{k: _form_value(k, v) for k, v in fields.items()})
@@ -309,6 +311,13 @@ def validate_edit(fields: dict[str, str], files: dict[str, bytes], args: AppArgs
             raise BadRequest("strength", f"strength must be a number, got {strength_text!r}") from None
         if not 0 < edit["strength"] <= 1:
             raise BadRequest("strength", f"strength must be in (0, 1], got {edit['strength']}")
-    v = validate(req, args, model_name)
+    try:
+        v = validate(req, args, model_name)
+    except BadRequest as exc:
+        if sized_by_image and exc.param == "size":  # say where the size came from, not only what is wrong with it
+            raise BadRequest("image", f"image is {source.size[0]}x{source.size[1]}; an edit without `size` is made at "
+                                      f"the image's size rounded down to a multiple of {limits.size_multiple}: "
+                                      f"{exc.message}") from None
+        raise
     jobs = [replace(j, **edit) for j in v.jobs]
     return replace(v, jobs=jobs)

@@ -163,16 +163,41 @@ def validate_batch(requests: list[GenerationRequest]) -> None:
                 raise ValueError(f"all requests of a batch must share {name}: {a!r} vs {b!r}")
 
 
-def decode_image(data: bytes, what: str = "image") -> "PIL.Image.Image":
-    """Encoded image bytes -> an RGB PIL image; ValueError naming `what` if they are not an image."""
+# Request images: the formats decoded, and the most pixels one may have (edit inputs are resized to the output size,
+# at most 2048 a side): checked from the header, before any pixel is decoded, since a few KB of PNG can inflate to
+# gigabytes.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+MAX_INPUT_PIXELS = 4096 * 4096
+
+
+def decode_image(data: bytes, what: str = "image", max_pixels: int = MAX_INPUT_PIXELS) -> "PIL.Image.Image":
+    """Encoded image bytes -> an RGB PIL image. ValueError naming `what` if they are not a PNG, JPEG or WebP image,
+    or if its header states more than `max_pixels` pixels (then nothing is decoded)."""
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with warnings.catch_warnings():  # PIL's own bomb warning: the size is checked here, with a lower bound
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # reads the header only
+        with im:
+            width, height = im.size
+            if width * height > max_pixels:
+                raise _TooManyPixels(f"{what} is {width}x{height} ({width * height} pixels); at most {max_pixels} "
+                                     "pixels are accepted")
             im.load()
             return im.convert("RGB")
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
-        raise ValueError(f"{what} is not a readable image ({exc})") from None
+    except _TooManyPixels as exc:
+        raise ValueError(str(exc)) from None
+    except UnidentifiedImageError:
+        raise ValueError(f"{what} is not a readable image (PNG, JPEG or WebP)") from None
+    except (Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
+        raise ValueError(f"{what} is not a readable image ({type(exc).__name__}: {exc})") from None
+
+
+class _TooManyPixels(Exception):
+    pass
 
 
 def png_bytes(image: "PIL.Image.Image") -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 from pathlib import Path
 
@@ -84,3 +85,22 @@ def png_psnr(a: bytes, b: bytes) -> float:
     x, y = (np.asarray(Image.open(io.BytesIO(p)).convert("RGB")).astype(np.float64) for p in (a, b))
     mse = float(np.mean((x - y) ** 2))
     return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+@functools.lru_cache(maxsize=4)
+def png_bomb(width: int, height: int) -> bytes:
+    """A valid RGB PNG of width x height black pixels that is small on the wire (its rows compress to almost
+    nothing): a decompression bomb, for tests that must refuse it before decoding. Built row by row, so making it
+    never holds the pixels either."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    comp, row, parts = zlib.compressobj(9), b"\0" * (1 + 3 * width), []
+    for _ in range(height):
+        parts.append(comp.compress(row))
+    parts.append(comp.flush())
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", b"".join(parts)) + chunk(b"IEND", b"")

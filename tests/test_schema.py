@@ -15,6 +15,7 @@ pytest.importorskip("pydantic")  # the HTTP model; absent on GPU boxes that only
 
 from deployments.config import AppArgs, Limits  # noqa: E402
 from deployments.schema import SEED_MAX, BadRequest, ImageRequest, validate  # noqa: E402
+from tests._inputs import png_bomb  # noqa: E402
 
 LIMITS = Limits(min_side=64, max_side=1024, max_pixels=512 * 1024, size_multiple=16, min_steps=2, max_steps=50,
                 max_n=3, max_prompt_chars=40, max_guidance=12.0)
@@ -326,8 +327,11 @@ def test_lora_bounds_accept_inside_and_refuse_just_outside(inside: list, outside
 
 
 def test_edit_strength_and_image_bytes_at_their_bounds() -> None:
-    """strength in (0, 1] and MAX_EDIT_IMAGE_BYTES, each just inside and just outside."""
-    from deployments.schema import MAX_EDIT_IMAGE_BYTES, validate_edit
+    """strength in (0, 1] and the image byte bound (limits.max_image_bytes), each just inside and just outside."""
+    from deployments.config import Limits
+    from deployments.schema import validate_edit
+
+    MAX_EDIT_IMAGE_BYTES = Limits().max_image_bytes
     from tests._inputs import random_png
 
     png = random_png(1)
@@ -359,6 +363,16 @@ def _png(w: int, h: int) -> bytes:
     return buf.getvalue()
 
 
+def _gif(w: int, h: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (200, 30, 30)).save(buf, format="GIF")
+    return buf.getvalue()
+
+
 EDIT_ACCEPTED = ", ".join(repr(f) for f in sorted(set(ImageRequest.model_fields) | {"image", "mask", "strength"}))
 # (form fields, files, the 400's param, its whole message)
 EDIT_REFUSED = [
@@ -378,6 +392,15 @@ EDIT_REFUSED = [
     ({"prompt": "a", "quality": "lossless", "seed": "1", "size": "64x64", "output_format": "gif"}, {"image": "png"},
      "output_format", "Input should be 'png', 'jpeg' or 'webp'"),
     ({"prompt": "a", "steps": "1"}, {"image": "png"}, "steps", "steps must be between 2 and 50, got 1"),
+    ({"prompt": "a"}, {"image": "png10"}, "image",
+     "image is 10x10; an edit without `size` is made at the image's size rounded down to a multiple of 16: "
+     "size 0x0: width and height must be positive multiples of 16 (0 is not a positive multiple of 16)"),
+    ({"prompt": "a", "strength": "0.5"}, {"image": "png"}, "image",
+     "image is 64x48; an edit without `size` is made at the image's size rounded down to a multiple of 16: "
+     "size 64x48 is too small: each side must be >= 64"),
+    ({"prompt": "a"}, {"image": "gif"}, "image", "image is not a readable image (PNG, JPEG or WebP)"),
+    ({"prompt": "a"}, {"image": "png", "mask": "bomb"}, "mask",
+     "mask is 12000x12000 (144000000 pixels); at most 16777216 pixels are accepted"),
 ]
 
 
@@ -389,7 +412,8 @@ def test_edit_form_errors_name_the_field_with_the_whole_reason(fields: dict, fil
     whole message (the serve suite sees a few of them through HTTP only)."""
     from deployments.schema import validate_edit
 
-    data = {"png": _png(64, 48), "png80": _png(80, 64), "junk": b"not an image at all"}
+    data = {"png": _png(64, 48), "png80": _png(80, 64), "junk": b"not an image at all", "png10": _png(10, 10),
+            "gif": _gif(64, 48), "bomb": png_bomb(12000, 12000)}
     with pytest.raises(BadRequest) as exc:
         validate_edit(fields, {k: data[v] for k, v in files.items()}, ARGS, MODEL)
     assert exc.value.param == param, exc.value.message

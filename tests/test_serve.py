@@ -1049,6 +1049,43 @@ def test_the_tp2_high_pool_takes_step_cache_and_per_request_lora(serve_app: dict
     assert png_psnr(base64.b64decode(inked.data[0].b64_json), base64.b64decode(plain.data[0].b64_json)) < 35.0
 
 
+def test_hostile_bodies_get_4xx_and_the_app_keeps_serving(serve_app: dict) -> None:
+    """Through the served app (a side app with a small body bound): a decompression-bomb edit image and mask are
+    400s naming the pixel bound, answered quickly; a body over the bound is a 413 whether its length is declared
+    or it is sent chunked; too many multipart files is a 400; then a good edit still answers 200."""
+    import requests
+
+    from tests._inputs import png_bomb, random_png
+
+    limits = {"max_body_bytes": 600_000, "max_form_files": 2}
+    with _side_app(serve_app, "hostile", limits=limits) as app:
+        url = app["url"] + "/v1/images/edits"
+        bomb, good = png_bomb(12000, 12000), random_png(1)
+        assert len(bomb) < limits["max_body_bytes"]
+        for files in ({"image": bomb}, {"image": good, "mask": bomb}):
+            t = time.perf_counter()
+            r = requests.post(url, data={"prompt": "x", "steps": "2"}, files=files, timeout=60)
+            took = time.perf_counter() - t
+            name = "mask" if "mask" in files else "image"
+            assert r.status_code == 400, r.text
+            assert r.json()["error"] == {"message": f"{name} is 12000x12000 (144000000 pixels); at most 16777216 "
+                                                    "pixels are accepted", "type": "invalid_request_error",
+                                         "param": name}
+            assert took < 2.0, took  # (HTTP and Serve included; the check itself is ~20 ms)
+        big = b"\0" * 700_000
+        r = requests.post(url, data={"prompt": "x"}, files={"image": big}, timeout=60)
+        assert r.status_code == 413 and "at most 600000" in r.json()["error"]["message"], r.text
+        chunks = (big[i:i + 65536] for i in range(0, len(big), 65536))  # a generator: sent chunked, no length
+        r = requests.post(app["url"] + "/v1/images/generations", data=chunks,
+                          headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 413 and "more than 600000" in r.json()["error"]["message"], r.text
+        r = requests.post(url, data={"prompt": "x"}, files=[("image", good), ("mask", good), ("extra", good)],
+                          timeout=60)
+        assert r.status_code == 400 and "Too many files" in r.json()["error"]["message"], r.text
+        r = requests.post(url, data={"prompt": "x", "steps": "2"}, files={"image": good}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
 def test_edits_through_the_openai_client_equal_the_pipeline(serve_app: dict) -> None:
     """`client.images.edit`: image-to-image and inpainting, byte-identical (lossless) to the pipeline called
     directly; the size defaults to the image's; bad images and masks are 400s with reasons."""
