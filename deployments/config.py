@@ -184,6 +184,9 @@ class AppArgs:
             value = getattr(args.limits, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"args.limits.{f.name} must be a number > 0, got {value!r}")
+        if args.limits.max_input_pixels > MAX_INPUT_PIXELS:  # the pipeline decodes edit inputs with that ceiling
+            raise ValueError(f"args.limits.max_input_pixels may lower the input-image ceiling, not raise it: at most "
+                             f"{MAX_INPUT_PIXELS}, got {args.limits.max_input_pixels}")
         if args.default_quality not in QUALITIES:
             raise ValueError(f"args.default_quality must be one of {QUALITIES}, got {args.default_quality!r}")
         if args.dtype not in DTYPES:

@@ -6,6 +6,7 @@ naming the field). The serve suite checks that a BadRequest becomes a 400 over H
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -446,3 +447,15 @@ def test_a_fused_adapter_refuses_named_ones() -> None:
         "lora", "adapter 'ink' is fused into this deployment's weights: every image uses it, and a request names no "
                 "adapter")
     assert _validate(fused).jobs[0].loras == ()
+
+
+@pytest.mark.parametrize("limits, words", [
+    ({"max_body_bytes": 0}, "args.limits.max_body_bytes must be a number > 0, got 0"),
+    ({"max_form_files": -1}, "args.limits.max_form_files must be a number > 0, got -1"),
+    ({"max_image_bytes": "20MB"}, "args.limits.max_image_bytes must be a number > 0, got '20MB'"),
+    ({"max_input_pixels": 4096 * 4096 + 1}, "may lower the input-image ceiling, not raise it: at most 16777216"),
+])
+def test_limits_that_cannot_hold_are_config_errors(limits: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        AppArgs.parse({"limits": limits})
+    assert AppArgs.parse({"limits": {"max_input_pixels": 1024 * 1024}}).limits.max_input_pixels == 1024 * 1024
