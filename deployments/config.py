@@ -32,6 +32,8 @@ class Limits:
     max_guidance: float = 30.0
     max_loras: int = 4  # LoRA adapters one request may combine
     max_lora_scale: float = 8.0  # |scale| of each
+    # A request's own deadline (`timeout_s`) at least this: a shorter one could only end in a 504.
+    min_timeout_s: float = 1.0
     # Edit inputs: bytes of one image or mask, and pixels its header may state (checked before decoding).
     max_image_bytes: int = 20 * 1024 * 1024
     max_input_pixels: int = MAX_INPUT_PIXELS

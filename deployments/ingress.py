@@ -19,6 +19,7 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
@@ -27,7 +28,15 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from deployments import auth, body
 from deployments.config import AppArgs
 from deployments.errors import BadRequest, GenerationFailed, OutOfMemory, PoolUnavailable
-from deployments.schema import ImageRequest, ImageResponse, Validated, encode_image, validate, validate_edit
+from deployments.schema import (
+    ErrorResponse,
+    ImageRequest,
+    ImageResponse,
+    Validated,
+    encode_image,
+    validate,
+    validate_edit,
+)
 from model.request import QUALITIES
 
 logger = logging.getLogger("ray.serve")
@@ -43,6 +52,48 @@ def _error(status: int, message: str, type_: str, param: str | None = None) -> J
     return JSONResponse(
         status_code=status, content={"error": {"message": message, "type": type_, "param": param}}
     )
+
+
+# What each error status means, documented on the routes that answer it (the OpenAPI document is what clients and
+# the schema fuzzer hold the app to).
+_ERRORS = {
+    400: "invalid request (reason in error.message)",
+    401: "missing or invalid API key (only when API keys are on)",
+    404: "unknown, or expired",
+    413: "request body too large",
+    500: "generation failed",
+    503: "pool unavailable or overloaded (Retry-After says when to try again), or not ready",
+    504: "deadline exceeded",
+}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these error statuses, each with the error body's schema."""
+    return {code: {"model": ErrorResponse, "description": _ERRORS[code]} for code in codes}
+
+
+def _edit_form() -> dict[str, Any]:
+    """The multipart edit's fields for the OpenAPI document (the route reads the form itself): the image and mask
+    files, `strength`, and the generation fields that are one value each."""
+    props = ImageRequest.model_json_schema()["properties"]
+    scalar = {k: v for k, v in props.items() if v.get("type") in ("string", "integer", "number", "boolean")
+              or all(a.get("type") in ("string", "integer", "number", "boolean", "null") for a in v.get("anyOf", [{}]))}
+    return {"type": "object", "required": ["image", "prompt"], "properties": {
+        "image": {"type": "string", "format": "binary", "description": "PNG, JPEG or WebP"},
+        "mask": {"type": "string", "format": "binary", "description": "white = repaint; the image's size"},
+        "strength": {"type": "number", "description": "(0, 1], default 0.6"}, **scalar}}
+
+
+_EDIT_FORM = _edit_form()
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # Starlette's own answers (an unknown path, a method a route does not take) in OpenAI's shape, not {"detail"}.
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    response = _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 @api.exception_handler(RequestValidationError)
@@ -208,7 +259,7 @@ class Ingress:
         """Liveness of the ingress; pool replicas are health-checked by Serve itself."""
         return {"status": "ok", "model": self.model_name, "pools": list(self.pools)}
 
-    @api.get("/readyz")
+    @api.get("/readyz", responses=_errors(503))
     async def readyz(self) -> JSONResponse:
         """Readiness: 200 when every pool has a running replica (Serve counts a replica as running once its
         constructor, which builds and warms its pipeline, has returned), else 503; per pool, its replicas by state.
@@ -217,7 +268,7 @@ class Ingress:
         ready, body = readiness(app, list(self.pools))
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", responses=_errors(401))
     async def models(self) -> dict[str, Any]:
         return {
             "object": "list",
@@ -238,10 +289,7 @@ class Ingress:
         responses={
             200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}},
                   "description": "JSON, or the raw image with `Accept: image/<output_format>` and n == 1"},
-            400: {"description": "invalid request (reason in error.message)"},
-            500: {"description": "generation failed"},
-            503: {"description": "pool unavailable or overloaded"},
-            504: {"description": "deadline exceeded"},
+            **_errors(400, 401, 413, 500, 503, 504),
         },
     )
     async def generations(self, body: ImageRequest, request: Request) -> Any:
@@ -252,7 +300,9 @@ class Ingress:
             return _error(400, e.message, "invalid_request_error", e.param)
         return await self._serve(v, request, "image_generation")
 
-    @api.get("/v1/images/files/{file_id}", name="image_file")
+    @api.get("/v1/images/files/{file_id}", name="image_file", responses={
+        200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}, "description": "the image"},
+        **_errors(401, 404)})
     async def image_file(self, file_id: str) -> Any:
         """An image kept for `response_format: "url"` (until it expires or the store needs the room)."""
         found = await self.files.get.remote(file_id)
@@ -265,8 +315,8 @@ class Ingress:
     @api.post(
         "/v1/images/edits",
         response_model=ImageResponse,
-        responses={400: {"description": "invalid request (reason in error.message)"},
-                   503: {"description": "pool unavailable or overloaded"}, 504: {"description": "deadline exceeded"}},
+        responses=_errors(400, 401, 413, 500, 503, 504),
+        openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": _EDIT_FORM}}}},
     )
     async def edits(self, request: Request) -> Any:
         """OpenAI's multipart edit: `image`, optional `mask` (white = repaint), `prompt` and the generation fields,

@@ -42,18 +42,24 @@ class ImageRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: StrictStr = Field(description="Text prompt (non-empty).")
-    n: StrictInt = Field(1, description="Number of images; image i uses seed + i.")
-    size: StrictStr | None = Field(None, description='"WxH", both multiples of 16, or "auto"; default from config.')
+    # json_schema_extra: the bounds that hold on every server, for the OpenAPI document (the configured ones, e.g.
+    # max_n, are checked by `validate` with a reason)
+    prompt: StrictStr = Field(description="Text prompt (non-empty).", json_schema_extra={"minLength": 1})
+    n: StrictInt = Field(1, description="Number of images; image i uses seed + i.", json_schema_extra={"minimum": 1})
+    size: StrictStr | None = Field(None, description='"WxH", both multiples of 16, or "auto"; default from config.',
+                                   json_schema_extra={"pattern": "^(auto|[0-9]+x[0-9]+)$"})
     quality: StrictStr = Field(
         "auto",
         description="lossless: byte-identical to diffusers; high: faster, not bit-exact; auto/standard: the server's "
                     "default tier; hd: lossless.",
         json_schema_extra={"enum": [*QUALITIES, *QUALITY_ALIASES]},
     )
-    steps: StrictInt | None = Field(None, description="Denoising steps; default from config.")
-    guidance: StrictFloat | StrictInt | None = Field(None, description="Guidance scale; default from config.")
-    seed: StrictInt | None = Field(None, description="Seed of the first image; random (and reported) if absent.")
+    steps: StrictInt | None = Field(None, description="Denoising steps; default from config.",
+                                    json_schema_extra={"minimum": 1})
+    guidance: StrictFloat | StrictInt | None = Field(None, description="Guidance scale; default from config.",
+                                                     json_schema_extra={"minimum": 0})
+    seed: StrictInt | None = Field(None, description="Seed of the first image; random (and reported) if absent.",
+                                   json_schema_extra={"minimum": 0, "maximum": SEED_LIMIT - 1})
     response_format: Literal["b64_json", "url"] = Field(
         "b64_json", description="b64_json, or url: the image is kept by the server for image_url_ttl_s seconds and "
                                 "served at the URL (refused when the server keeps no images)."
@@ -61,18 +67,21 @@ class ImageRequest(BaseModel):
     stream: StrictBool = Field(False, description="Server-sent events: partial images while it denoises, then the "
                                                  "completed image (n must be 1).")
     partial_images: StrictInt | None = Field(
-        None, description=f"Previews streamed before the final image, 0-{MAX_PARTIAL_IMAGES} (stream only; default 0)."
+        None, description=f"Previews streamed before the final image, 0-{MAX_PARTIAL_IMAGES} (stream only; default 0).",
+        json_schema_extra={"minimum": 0, "maximum": MAX_PARTIAL_IMAGES},
     )
     model: StrictStr | None = Field(None, description="Accepted for OpenAI clients; must match /v1/models if set.")
     timeout_s: StrictFloat | StrictInt | None = Field(
-        None, description="Per-request deadline (seconds), at most the server's request_timeout_s."
+        None, description="Per-request deadline (seconds), at most the server's request_timeout_s.",
+        json_schema_extra={"exclusiveMinimum": 0},
     )
     user: StrictStr | None = Field(None, description="Ignored; accepted for OpenAI clients.")
     output_format: Literal["png", "jpeg", "webp"] = Field(
         "png", description="png (the lossless contract holds for its bytes), or lossy jpeg / webp."
     )
     output_compression: StrictInt | None = Field(
-        None, description="jpeg / webp quality 0-100 (default 100); not for png."
+        None, description="jpeg / webp quality 0-100 (default 100); not for png.",
+        json_schema_extra={"minimum": 0, "maximum": 100},
     )
     background: Literal["auto", "opaque"] = Field("auto", description="Images are opaque; transparent is refused.")
     moderation: Literal["auto", "low"] = Field("auto", description="Accepted for OpenAI clients; no moderation runs.")
@@ -82,7 +91,8 @@ class ImageRequest(BaseModel):
     step_cache: StrictFloat | StrictInt | None = Field(
         None, description="quality high only: First-Block step cache threshold in [0, 1) for this request (a step "
                           "whose first block's output changed by less than this fraction reuses the last computed "
-                          "step's other blocks; not bit-exact); 0 computes every step; default: the pool's setting."
+                          "step's other blocks; not bit-exact); 0 computes every step; default: the pool's setting.",
+        json_schema_extra={"minimum": 0, "exclusiveMaximum": 1},
     )
 
 
@@ -103,6 +113,18 @@ def encode_image(png: bytes, output_format: str, compression: int) -> bytes:
     buf = io.BytesIO()
     Image.open(io.BytesIO(png)).convert("RGB").save(buf, format=output_format.upper(), quality=compression)
     return buf.getvalue()
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the API answers, in OpenAI's shape."""
+
+    error: ErrorDetail
 
 
 class ImageResponse(BaseModel):
@@ -166,9 +188,10 @@ def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
         raise BadRequest("model", f"unknown model {req.model!r}; this server serves {model_name!r}")
     timeout_s = args.request_timeout_s
     if req.timeout_s is not None:
-        if not 0 < req.timeout_s <= args.request_timeout_s:
+        if not lim.min_timeout_s <= req.timeout_s <= args.request_timeout_s:
             raise BadRequest(
-                "timeout_s", f"timeout_s must be > 0 and <= {args.request_timeout_s}, got {req.timeout_s}"
+                "timeout_s", f"timeout_s must be between {lim.min_timeout_s:g} and {args.request_timeout_s:g}, got "
+                             f"{req.timeout_s}"
             )
         timeout_s = float(req.timeout_s)
     compression = 100 if req.output_compression is None else req.output_compression

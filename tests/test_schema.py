@@ -61,9 +61,10 @@ BOUNDS = [
     # n images take seeds seed .. seed + n - 1: the last one must still be a valid seed
     ("seed", {"seed": SEED_MAX - 2, "n": 3}, {"seed": SEED_MAX - 1, "n": 3},
      f"seed must be between 0 and {SEED_MAX - 2}, got {SEED_MAX - 1}"),
-    ("timeout_s", {"timeout_s": 30}, {"timeout_s": 30.001}, "timeout_s must be > 0 and <= 30, got 30.001"),
-    ("timeout_s", {"timeout_s": 1e-6}, {"timeout_s": 0}, "timeout_s must be > 0 and <= 30, got 0"),
-    ("timeout_s", {"timeout_s": 1e-6}, {"timeout_s": -1}, "timeout_s must be > 0 and <= 30, got -1"),
+    ("timeout_s", {"timeout_s": 30}, {"timeout_s": 30.001}, "timeout_s must be between 1 and 30, got 30.001"),
+    ("timeout_s", {"timeout_s": 1}, {"timeout_s": 0.999}, "timeout_s must be between 1 and 30, got 0.999"),
+    ("timeout_s", {"timeout_s": 1.0}, {"timeout_s": 5e-324}, "timeout_s must be between 1 and 30, got 5e-324"),
+    ("timeout_s", {"timeout_s": 1}, {"timeout_s": -1}, "timeout_s must be between 1 and 30, got -1"),
     ("quality", {"quality": "high"}, {"quality": "High"},
      "unknown quality 'High'; expected one of ['lossless', 'high', 'auto', 'standard', 'hd']"),
     ("model", {"model": MODEL}, {"model": "dall-e-3"}, "unknown model 'dall-e-3'; this server serves 'tiny'"),
