@@ -1110,7 +1110,7 @@ def test_fuzz_the_api_from_its_own_openapi_schema(serve_app: dict, tmp_path: Pat
                  "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance",
                  "--max-examples", "120", "--seed", "7", "--workers", "2", "--request-timeout", "60", "--no-shrink",
                  "--report", "json", "--report-json-path", str(report)],
-                capture_output=True, text=True, timeout=900)
+                capture_output=True, text=True, timeout=900, cwd=tmp_path)  # (its cache folder goes there)
             assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
             r = requests.post(app["url"] + "/v1/images/generations", json={"prompt": "x", "size": "64x64"},
                               headers=dict([headers[1].split(": ")]) if headers else {}, timeout=60)
