@@ -18,7 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from deployments.config import AppArgs, pool_refusal
 from deployments.errors import BadRequest
 from model.preview import MAX_PARTIAL_IMAGES
-from model.request import QUALITIES, SEED_LIMIT, GenerationRequest, decode_image, format_size, step_cache_error
+from model.request import (
+    QUALITIES,
+    SEED_LIMIT,
+    GenerationRequest,
+    decode_image,
+    decode_mask,
+    format_size,
+    step_cache_error,
+)
 
 SEED_MAX = SEED_LIMIT - 1
 
@@ -76,6 +84,12 @@ class ImageRequest(BaseModel):
         json_schema_extra={"exclusiveMinimum": 0},
     )
     user: StrictStr | None = Field(None, description="Ignored; accepted for OpenAI clients.")
+    safety_identifier: StrictStr | None = Field(None, description="Ignored; accepted for OpenAI clients.")
+    style: Literal["vivid", "natural"] | None = Field(
+        None, description="Accepted for OpenAI clients (dall-e-3's); FLUX has no style presets, so it is ignored.")
+    input_fidelity: Literal["high", "low"] | None = Field(
+        None, description="Accepted for OpenAI clients (edits); ignored: how closely an edit follows its image is "
+                          "`strength`.")
     output_format: Literal["png", "jpeg", "webp"] = Field(
         "png", description="png (the lossless contract holds for its bytes), or lossy jpeg / webp."
     )
@@ -310,8 +324,7 @@ def validate_edit(fields: dict[str, str], files: dict[str, bytes], args: AppArgs
             raise BadRequest(name, f"{name} is too large: {len(data)} bytes, at most {limits.max_image_bytes}")
     try:
         source = decode_image(image, "image", limits.max_input_pixels)
-        mask_image = None if files.get("mask") is None else decode_image(files["mask"], "mask",
-                                                                           limits.max_input_pixels)
+        mask_image = None if files.get("mask") is None else decode_mask(files["mask"], limits.max_input_pixels)
     except ValueError as exc:
         raise BadRequest("mask" if str(exc).startswith("mask") else "image", str(exc)) from None
     if mask_image is not None and mask_image.size != source.size:

@@ -21,7 +21,7 @@ from model.family import family_of
 from model.features import HIGH_DEFAULTS, feature
 from model.form import BATCH_DEFAULTS, ServingForm
 from model.preview import PreviewSink, previewer_of
-from model.request import GenerationRequest, Quality, decode_image, png_bytes, validate_batch
+from model.request import GenerationRequest, Quality, decode_image, decode_mask, png_bytes, validate_batch
 from model.tiers import Ran, TierPlan, applied_tier, plan_tier
 
 if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request types without needing torch
@@ -129,7 +129,7 @@ def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bo
         source = decode_image(first.image, "image")
         edit = {"image": [source] * len(requests), "strength": float(first.strength)}
         if first.mask is not None:
-            edit["mask_image"] = [decode_image(first.mask, "mask")] * len(requests)
+            edit["mask_image"] = [decode_mask(first.mask)] * len(requests)
         pipe = edit_pipeline(pipe, inpaint=first.mask is not None)
     pipe.set_progress_bar_config(disable=not progress, desc=f"{first.quality} {first.width}x{first.height}")
     images = pipe(

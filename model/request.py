@@ -200,6 +200,20 @@ class _TooManyPixels(Exception):
     pass
 
 
+def decode_mask(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> "PIL.Image.Image":
+    """An edit's mask -> an RGB image, white where the image is repainted. A mask with transparency follows
+    OpenAI's rule (repaint where it is fully transparent); one without keeps the inpainting rule (repaint where it
+    is white), so a mask made for either API does what its author meant."""
+    from PIL import Image
+
+    rgb = decode_image(data, "mask", max_pixels)  # the header checks, and a readable image
+    with Image.open(io.BytesIO(data)) as im:
+        if im.mode not in ("RGBA", "LA", "PA") and "transparency" not in im.info:
+            return rgb
+        alpha = im.convert("RGBA").getchannel("A")
+    return alpha.point(lambda a: 255 if a == 0 else 0).convert("RGB")
+
+
 def png_bytes(image: "PIL.Image.Image") -> bytes:
     """PNG encoding of a PIL image with no metadata (no time, no text chunks): equal pixels give equal bytes."""
     buf = io.BytesIO()

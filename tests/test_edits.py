@@ -138,3 +138,32 @@ def test_cli_edits_an_image(tiny_path: Path, tmp_path: Path, capsys) -> None:
     assert "--mask needs --image" in capsys.readouterr().err
     assert main(["generate", "--model", str(tiny_path), "--image", str(tmp_path / "nope.png"),
                  "--out", str(out)]) == 2
+
+
+def test_a_mask_with_transparency_follows_openais_rule_and_one_without_the_inpainting_rule() -> None:
+    """OpenAI edits where the mask is fully transparent; inpainting pipelines repaint where it is white. A mask with
+    an alpha channel (RGBA, LA, or a palette with a transparent entry) is read by OpenAI's rule, any other by the
+    inpainting rule; both give the same white-where-repainted mask. Catches an RGBA mask made for OpenAI silently
+    repainting the wrong region (its RGB is often black or the photo itself)."""
+    from model.request import decode_mask
+
+    def png(im: Image.Image) -> bytes:
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+        return buf.getvalue()
+
+    hole = np.zeros((64, 64), dtype=bool)
+    hole[16:48, 8:40] = True  # the region to repaint
+    white = np.where(hole, 255, 0).astype(np.uint8)
+    rgb = Image.fromarray(np.stack([white] * 3, -1))
+    rgba = np.full((64, 64, 4), 255, dtype=np.uint8)  # an opaque photo-like mask ...
+    rgba[..., :3] = np.random.default_rng(0).integers(0, 255, (64, 64, 3))
+    rgba[hole, 3] = 0  # ... transparent where OpenAI should edit
+    la = Image.fromarray(np.stack([np.full((64, 64), 90, np.uint8), np.where(hole, 0, 255).astype(np.uint8)], -1),
+                         "LA")
+    palette = Image.fromarray(np.where(hole, 1, 0).astype(np.uint8), "P")
+    palette.putpalette([0, 0, 0, 255, 255, 255])
+    palette.info["transparency"] = 1
+    want = np.stack([white] * 3, -1)
+    for name, im in (("rgb", rgb), ("rgba", Image.fromarray(rgba, "RGBA")), ("la", la), ("palette", palette)):
+        assert np.array_equal(np.asarray(decode_mask(png(im))), want), name

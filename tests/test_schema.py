@@ -460,3 +460,35 @@ def test_limits_that_cannot_hold_are_config_errors(limits: dict, words: str) -> 
     with pytest.raises(ValueError, match=re.escape(words)):
         AppArgs.parse({"limits": limits})
     assert AppArgs.parse({"limits": {"max_input_pixels": 1024 * 1024}}).limits.max_input_pixels == 1024 * 1024
+
+
+# The body fields of OpenAI's images API reference (generations, and the edit's form): a client written for it may
+# send any of them.
+OPENAI_GENERATION_FIELDS = {
+    "prompt": "a red fox", "background": "auto", "model": MODEL, "moderation": "auto", "n": 1,
+    "output_compression": 90, "output_format": "jpeg", "partial_images": 1, "quality": "auto",
+    "response_format": "b64_json", "size": "64x64", "stream": True, "style": "natural", "user": "u-1",
+    "safety_identifier": "hashed-user-1",
+}
+
+
+def test_every_field_of_openais_reference_is_accepted() -> None:
+    """Catches an OpenAI field answered with 400 "unknown field" (a client written for OpenAI would fail on it)."""
+    from deployments.schema import validate_edit
+
+    v = validate(ImageRequest(**OPENAI_GENERATION_FIELDS), ARGS, MODEL)
+    assert v.jobs[0].prompt == "a red fox" and v.stream
+    edit = {k: str(x).lower() if isinstance(x, bool) else str(x) for k, x in OPENAI_GENERATION_FIELDS.items()}
+    edit.update(input_fidelity="high", stream="false")
+    del edit["partial_images"]
+    v = validate_edit(edit, {"image": _png(64, 64), "mask": _png(64, 64)}, ARGS, MODEL)
+    assert v.jobs[0].image is not None and v.jobs[0].mask is not None
+
+
+@pytest.mark.parametrize("field, value", [("style", "photographic"), ("input_fidelity", "max"),
+                                          ("safety_identifier", 7)])
+def test_the_openai_fields_we_ignore_still_refuse_values_openai_would_refuse(field: str, value: Any) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        ImageRequest(prompt="x", **{field: value})

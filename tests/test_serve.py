@@ -1119,6 +1119,20 @@ def test_fuzz_the_api_from_its_own_openapi_schema(serve_app: dict, tmp_path: Pat
         assert cases["generated"] >= 500 and cases["with_failures"] == 0 and cases["errored"] == 0, (name, cases)
 
 
+def test_unknown_routes_and_methods_answer_in_openais_error_shape(serve_app: dict) -> None:
+    """FastAPI's own 404 and 405 come as {"error": {...}} like every other error, not {"detail": ...}; the 405
+    keeps its Allow header."""
+    import requests
+
+    r = requests.get(serve_app["url"] + "/v1/images/generations", timeout=30)
+    assert r.status_code == 405 and r.headers.get("allow") == "POST", (r.status_code, r.headers)
+    assert r.json() == {"error": {"message": "GET /v1/images/generations: Method Not Allowed",
+                                  "type": "invalid_request_error", "param": None}}
+    r = requests.post(serve_app["url"] + "/v1/images/variations", json={}, timeout=30)
+    assert r.status_code == 404 and r.json() == {"error": {"message": "POST /v1/images/variations: Not Found",
+                                                           "type": "not_found", "param": None}}
+
+
 def test_edits_through_the_openai_client_equal_the_pipeline(serve_app: dict) -> None:
     """`client.images.edit`: image-to-image and inpainting, byte-identical (lossless) to the pipeline called
     directly; the size defaults to the image's; bad images and masks are 400s with reasons."""
