@@ -51,8 +51,8 @@ def _mix(size: str, wide: str) -> list[tuple[str, dict[str, Any]]]:
 
 
 def actor_rss() -> dict[str, int]:
-    """Resident KB of each Ray actor process on this machine, by its process title (`ray::<name>`), summed over
-    processes of one title."""
+    """Resident KB of each Ray actor process on this machine, by its actor name (the process title `ray::<name>`
+    without the method it is running), summed over processes of one name."""
     out: dict[str, int] = defaultdict(int)
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -63,7 +63,7 @@ def actor_rss() -> dict[str, int]:
                 continue
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
-                    out[title.split(" ")[0]] += int(line.split()[1])
+                    out[title.split(" ")[0].split(".")[0]] += int(line.split()[1])
         except OSError:
             continue
     return dict(out)
@@ -79,7 +79,7 @@ async def one(c: httpx.AsyncClient, url: str, kind: str, req: dict[str, Any], im
         async with c.stream("POST", url + "/v1/images/generations", json=req) as r:
             done = False
             async for line in r.aiter_lines():
-                done = done or (line.startswith("data: ") and '"completed"' in line[:200])
+                done = done or (line.startswith("data: ") and '.completed"' in line[:200])
             if r.status_code == 200 and not done:
                 return "stream-without-completed", time.perf_counter() - t0
     else:
