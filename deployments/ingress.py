@@ -34,6 +34,7 @@ from deployments.schema import (
     ImageResponse,
     Validated,
     encode_image,
+    json_edit,
     validate,
     validate_edit,
 )
@@ -67,6 +68,13 @@ _ERRORS = {
 }
 
 
+# A 200 of the image routes: JSON (the response model), the raw image, or server-sent events.
+_IMAGES_OK: dict[str, Any] = {
+    "content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}, "text/event-stream": {}},
+    "description": "JSON; the raw image with `Accept: image/<output_format>` and n == 1; events with `stream: true`",
+}
+
+
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` for these error statuses, each with the error body's schema."""
     return {code: {"model": ErrorResponse, "description": _ERRORS[code]} for code in codes}
@@ -84,7 +92,17 @@ def _edit_form() -> dict[str, Any]:
         "strength": {"type": "number", "description": "(0, 1], default 0.6"}, **scalar}}
 
 
-_EDIT_FORM = _edit_form()
+def _edit_json() -> dict[str, Any]:
+    """The JSON edit's body for the OpenAPI document: OpenAI's `images` / `mask` as base64 data: URLs."""
+    form = _edit_form()["properties"]
+    ref = {"type": "object", "required": ["image_url"],
+           "properties": {"image_url": {"type": "string", "description": "data:image/png;base64,..."}}}
+    return {"type": "object", "required": ["images", "prompt"], "properties": {
+        "images": {"type": "array", "items": ref, "minItems": 1, "maxItems": 1}, "mask": ref,
+        **{k: v for k, v in form.items() if k not in ("image", "mask")}}}
+
+
+_EDIT_FORM, _EDIT_JSON = _edit_form(), _edit_json()
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -286,11 +304,7 @@ class Ingress:
     @api.post(
         "/v1/images/generations",
         response_model=ImageResponse,
-        responses={
-            200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}},
-                  "description": "JSON, or the raw image with `Accept: image/<output_format>` and n == 1"},
-            **_errors(400, 401, 413, 500, 503, 504),
-        },
+        responses={200: _IMAGES_OK, **_errors(400, 401, 413, 500, 503, 504)},
     )
     async def generations(self, body: ImageRequest, request: Request) -> Any:
         try:
@@ -315,35 +329,51 @@ class Ingress:
     @api.post(
         "/v1/images/edits",
         response_model=ImageResponse,
-        responses=_errors(400, 401, 413, 500, 503, 504),
-        openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": _EDIT_FORM}}}},
+        responses={200: _IMAGES_OK, **_errors(400, 401, 413, 500, 503, 504)},
+        openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": _EDIT_FORM},
+                                                                     "application/json": {"schema": _EDIT_JSON}}}},
     )
     async def edits(self, request: Request) -> Any:
-        """OpenAI's multipart edit: `image`, optional `mask` (white = repaint), `prompt` and the generation fields,
-        plus `strength`; image-to-image without a mask, inpainting with one."""
-        fields: dict[str, str] = {}
-        files: dict[str, bytes] = {}
+        """OpenAI's edit, as a multipart form (`image`, optional `mask`, `prompt` and the generation fields as form
+        values, plus `strength`) or as JSON (`images: [{"image_url": <base64 data: URL>}]`, optional `mask:
+        {"image_url": ...}`); image-to-image without a mask, inpainting with one."""
+        ctype = request.headers.get("content-type", "")
+        typed = ctype.startswith("application/json")
         try:
-            if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-                raise ValueError(f"got Content-Type {request.headers.get('content-type')!r}")
-            limits = self.args.limits
-            form = await request.form(max_files=limits.max_form_files, max_fields=limits.max_form_fields)
-            for key, value in form.multi_items():
-                name = key.removesuffix("[]")  # the openai client may send `image[]`
-                if isinstance(value, str):
-                    fields[name] = value
-                elif name not in files:
-                    files[name] = await value.read()
-        except Exception as e:  # not multipart, a broken part: Starlette's parser raises several types
+            if typed:
+                fields, files = json_edit(await request.json())
+            elif ctype.startswith("multipart/form-data"):
+                fields, files = await self._edit_form(request)
+            else:
+                raise ValueError(f"got Content-Type {ctype!r}")
+        except BadRequest as e:
             self.m_requests.inc(tags={"pool": "none", "status": "400"})
-            return _error(400, f"the body must be multipart/form-data ({_reason(e)})", "invalid_request_error")
+            return _error(400, e.message, "invalid_request_error", e.param)
+        except Exception as e:  # not JSON or multipart, a broken part: the parsers raise several types
+            self.m_requests.inc(tags={"pool": "none", "status": "400"})
+            return _error(400, f"the body must be multipart/form-data or JSON ({_reason(e)})",
+                          "invalid_request_error")
         try:
             # decoding images takes CPU time: off the event loop, so other requests keep flowing meanwhile
-            v = await asyncio.to_thread(validate_edit, fields, files, self.args, self.model_name)
+            v = await asyncio.to_thread(validate_edit, fields, files, self.args, self.model_name, typed)
         except BadRequest as e:
             self.m_requests.inc(tags={"pool": "none", "status": "400"})
             return _error(400, e.message, "invalid_request_error", e.param)
         return await self._serve(v, request, "image_edit")
+
+    async def _edit_form(self, request: Request) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """A multipart edit's text fields and files (the first file of each name)."""
+        fields: dict[str, Any] = {}
+        files: dict[str, bytes] = {}
+        limits = self.args.limits
+        form = await request.form(max_files=limits.max_form_files, max_fields=limits.max_form_fields)
+        for key, value in form.multi_items():
+            name = key.removesuffix("[]")  # the openai client may send `image[]`
+            if isinstance(value, str):
+                fields[name] = value
+            elif name not in files:
+                files[name] = await value.read()
+        return fields, files
 
     async def _serve(self, v: Validated, request: Request, kind: str) -> Any:
         """Route validated jobs to their pool and answer (JSON with b64 images or URLs, one raw image, or a stream

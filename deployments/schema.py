@@ -302,7 +302,47 @@ def _form_value(name: str, value: str) -> Any:
     return value
 
 
-def validate_edit(fields: dict[str, str], files: dict[str, bytes], args: AppArgs, model_name: str) -> Validated:
+def json_edit(body: Any) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """OpenAI's JSON edit (`images: [{"image_url": ...}]`, optional `mask: {"image_url": ...}`, the generation
+    fields) -> the (fields, files) of the multipart form `validate_edit` takes. Images come as base64 `data:` URLs:
+    nothing is downloaded; a `file_id` names OpenAI's file store, which this server does not have."""
+    if not isinstance(body, dict):
+        raise BadRequest(None, "request body must be a JSON object")
+    fields = dict(body)
+    images = fields.pop("images", None)
+    if images is None and "image" in fields:
+        raise BadRequest("image", 'a JSON edit names its image as `images: [{"image_url": '
+                                  '"data:image/png;base64,..."}]`')
+    if not isinstance(images, list) or len(images) != 1:
+        raise BadRequest("images", 'a JSON edit needs `images`: a list of exactly one {"image_url": ...} (FLUX edits '
+                                   'one image)')
+    files = {"image": _data_url(images[0], "images[0]")}
+    if fields.get("mask") is not None:
+        files["mask"] = _data_url(fields.pop("mask"), "mask")
+    fields.pop("mask", None)
+    return fields, files
+
+
+def _data_url(ref: Any, where: str) -> bytes:
+    import base64
+    import binascii
+
+    if not isinstance(ref, dict) or set(ref) - {"image_url", "file_id"}:
+        raise BadRequest(where, f"{where} must be an object {{\"image_url\": \"data:...;base64,...\"}}")
+    if "file_id" in ref:
+        raise BadRequest(where, f"{where}: file_id is not supported (no file store here); send image_url as a base64 "
+                                "data: URL")
+    url = ref.get("image_url")
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url[:100]:
+        raise BadRequest(where, f"{where}.image_url must be a base64 data: URL (this server downloads nothing)")
+    try:
+        return base64.b64decode(url.split(",", 1)[1], validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(where, f"{where}.image_url: the base64 data does not decode") from None
+
+
+def validate_edit(fields: dict[str, Any], files: dict[str, bytes], args: AppArgs, model_name: str,
+                  typed: bool = False) -> Validated:
     """An OpenAI-style multipart edit: `image` (+ optional `mask`, white = repaint) and the generation fields as form
     values (plus `strength`). The size defaults to the image's own, rounded down to a multiple of 16."""
     from dataclasses import replace
@@ -335,13 +375,16 @@ def validate_edit(fields: dict[str, str], files: dict[str, bytes], args: AppArgs
         multiple = limits.size_multiple
         fields["size"] = f"{source.size[0] // multiple * multiple}x{source.size[1] // multiple * multiple}"
     try:
-        req = ImageRequest(**{k: _form_value(k, v) for k, v in fields.items()})
+        # form values are text to convert; a JSON edit's (typed) are checked as they are, as on generations
+        req = ImageRequest(**{k: v if typed else _form_value(k, v) for k, v in fields.items()})
     except ValidationError as exc:
         err = exc.errors()[0]
         raise BadRequest(str(err["loc"][0]) if err.get("loc") else None, f"{err.get('msg')}") from None
     edit: dict[str, Any] = {"image": image, "mask": files.get("mask")}
     if strength_text is not None:  # else GenerationRequest's default
         try:
+            if isinstance(strength_text, bool) or not isinstance(strength_text, (str, int, float)):
+                raise ValueError
             edit["strength"] = float(strength_text)
         except ValueError:
             raise BadRequest("strength", f"strength must be a number, got {strength_text!r}") from None

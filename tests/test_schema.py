@@ -492,3 +492,61 @@ def test_the_openai_fields_we_ignore_still_refuse_values_openai_would_refuse(fie
 
     with pytest.raises(ValidationError):
         ImageRequest(prompt="x", **{field: value})
+
+
+def _data_url(data: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def test_a_json_edit_reads_as_the_same_form_as_multipart() -> None:
+    """OpenAI's JSON edit body (images and mask as base64 data: URLs, typed fields) -> the same validated jobs as
+    the multipart form with the same values. Catches a dropped mask, a field lost on the way, typed values
+    re-parsed as text."""
+    from deployments.schema import json_edit, validate_edit
+
+    image, mask = _png(64, 64), _png(64, 64)
+    fields, files = json_edit({"prompt": "a fox", "images": [{"image_url": _data_url(image)}],
+                               "mask": {"image_url": _data_url(mask)}, "n": 2, "steps": 3, "strength": 0.5,
+                               "seed": 9, "stream": False})
+    assert files == {"image": image, "mask": mask}
+    from_json = validate_edit(fields, files, ARGS, MODEL, typed=True)
+    from_form = validate_edit({"prompt": "a fox", "n": "2", "steps": "3", "strength": "0.5", "seed": "9",
+                               "stream": "false"}, {"image": image, "mask": mask}, ARGS, MODEL)
+    assert from_json.jobs == from_form.jobs and len(from_json.jobs) == 2 and from_json.jobs[0].strength == 0.5
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"prompt": "x"}, "images", "a list of exactly one"),
+    ({"prompt": "x", "images": []}, "images", "a list of exactly one"),
+    ({"prompt": "x", "images": [{"image_url": "data:image/png;base64,AA=="}] * 2}, "images", "FLUX edits one image"),
+    ({"prompt": "x", "image": "x.png"}, "image", "names its image as `images"),
+    ({"prompt": "x", "images": [{"image_url": "https://example.com/a.png"}]}, "images[0]",
+     "must be a base64 data: URL (this server downloads nothing)"),
+    ({"prompt": "x", "images": [{"file_id": "file-1"}]}, "images[0]", "file_id is not supported"),
+    ({"prompt": "x", "images": [{"image_url": "data:image/png;base64,%%%"}]}, "images[0]", "does not decode"),
+    ({"prompt": "x", "images": ["data:image/png;base64,AA=="]}, "images[0]", "must be an object"),
+    ({"prompt": "x", "images": [{"image_url": "data:image/png;base64,AA=="}], "mask": "m.png"}, "mask",
+     "must be an object"),
+    (["not", "an", "object"], None, "request body must be a JSON object"),
+])
+def test_json_edit_refusals_name_the_field(body: Any, param: str | None, words: str) -> None:
+    from deployments.schema import json_edit
+
+    with pytest.raises(BadRequest) as exc:
+        json_edit(body)
+    assert exc.value.param == param and words in exc.value.message, exc.value.message
+
+
+def test_a_json_edits_typed_values_are_checked_as_they_are() -> None:
+    """A JSON `"n": "2"` is a string, not a number: refused as the JSON generations route refuses it."""
+    from deployments.schema import json_edit, validate_edit
+
+    fields, files = json_edit({"prompt": "x", "images": [{"image_url": _data_url(_png(64, 64))}], "n": "2"})
+    with pytest.raises(BadRequest) as exc:
+        validate_edit(fields, files, ARGS, MODEL, typed=True)
+    assert exc.value.param == "n"
+    fields["n"], fields["strength"] = 1, True
+    with pytest.raises(BadRequest, match="strength must be a number, got True"):
+        validate_edit(fields, files, ARGS, MODEL, typed=True)

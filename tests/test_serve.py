@@ -1133,6 +1133,27 @@ def test_unknown_routes_and_methods_answer_in_openais_error_shape(serve_app: dic
                                                            "type": "not_found", "param": None}}
 
 
+def test_a_json_edit_answers_the_bytes_of_the_same_multipart_edit(serve_app: dict) -> None:
+    """OpenAI's JSON edit (`images` and `mask` as base64 data: URLs) through the served app: the same PNG bytes as
+    the multipart form with the same values; an http URL is a 400 naming the field (nothing is downloaded)."""
+    import requests
+
+    from tests._inputs import random_png
+
+    image, mask = random_png(3), random_png(4, mask=True)
+    data_url = lambda b: "data:image/png;base64," + base64.b64encode(b).decode()  # noqa: E731
+    url = serve_app["url"] + "/v1/images/edits"
+    body = {"prompt": "a red fox", "seed": 5, "steps": 2, "strength": 0.7}
+    as_json = requests.post(url, json={**body, "images": [{"image_url": data_url(image)}],
+                                       "mask": {"image_url": data_url(mask)}}, timeout=120)
+    as_form = requests.post(url, data={k: str(v) for k, v in body.items()},
+                            files={"image": image, "mask": mask}, timeout=120)
+    assert as_json.status_code == 200 and as_form.status_code == 200, (as_json.text, as_form.text)
+    assert as_json.json()["data"][0]["b64_json"] == as_form.json()["data"][0]["b64_json"]
+    r = requests.post(url, json={**body, "images": [{"image_url": "https://example.com/a.png"}]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "images[0]", r.text
+
+
 def test_edits_through_the_openai_client_equal_the_pipeline(serve_app: dict) -> None:
     """`client.images.edit`: image-to-image and inpainting, byte-identical (lossless) to the pipeline called
     directly; the size defaults to the image's; bad images and masks are 400s with reasons."""
@@ -1164,8 +1185,10 @@ def test_edits_through_the_openai_client_equal_the_pipeline(serve_app: dict) -> 
         # (no image: one unrelated part keeps the body multipart)
         r = requests.post(url, files=files or {"note": ("note.txt", b"", "text/plain")}, data=data, timeout=30)
         assert r.status_code == 400 and message in r.json()["error"]["message"], (message, r.text)
-    r = requests.post(url, json={"prompt": "a"}, timeout=30)
-    assert r.status_code == 400 and "multipart/form-data" in r.json()["error"]["message"]
+    r = requests.post(url, json={"prompt": "a"}, timeout=30)  # JSON is OpenAI's other form of an edit
+    assert r.status_code == 400 and r.json()["error"]["param"] == "images", r.text
+    r = requests.post(url, data=b"prompt=a", headers={"Content-Type": "text/plain"}, timeout=30)
+    assert r.status_code == 400 and "multipart/form-data or JSON" in r.json()["error"]["message"], r.text
 
 
 # --------------------------------------------------------------------------------------------------
