@@ -108,7 +108,8 @@ def rayservice(config: dict[str, Any], shape: NodeShape, name: str = "fluxserve"
                              "resources": {"limits": resources, "requests": dict(resources)},
                              "env": [{"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
                                      {"name": "NCCL_NVLS_ENABLE", "value": "0"}],
-                             "volumeMounts": [models, *({"name": "kernel-cache", "mountPath": path} for path in caches or [])]}
+                             "volumeMounts": [models, *({"name": "kernel-cache", "mountPath": path}
+                                                         for path in caches or [])]}
         if role == "head":
             c["ports"] = [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
                           {"containerPort": 10001, "name": "client"}, {"containerPort": 8000, "name": "serve"}]

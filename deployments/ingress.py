@@ -92,17 +92,18 @@ def _edit_form() -> dict[str, Any]:
         "strength": {"type": "number", "description": "(0, 1], default 0.6"}, **scalar}}
 
 
-def _edit_json() -> dict[str, Any]:
-    """The JSON edit's body for the OpenAPI document: OpenAI's `images` / `mask` as base64 data: URLs."""
-    form = _edit_form()["properties"]
+def _edit_json(form: dict[str, Any]) -> dict[str, Any]:
+    """The JSON edit's body for the OpenAPI document, from the form's (`_edit_form`): OpenAI's `images` / `mask` as
+    base64 data: URLs, the other fields alike."""
     ref = {"type": "object", "required": ["image_url"],
            "properties": {"image_url": {"type": "string", "description": "data:image/png;base64,..."}}}
     return {"type": "object", "required": ["images", "prompt"], "properties": {
         "images": {"type": "array", "items": ref, "minItems": 1, "maxItems": 1}, "mask": ref,
-        **{k: v for k, v in form.items() if k not in ("image", "mask")}}}
+        **{k: v for k, v in form["properties"].items() if k not in ("image", "mask")}}}
 
 
-_EDIT_FORM, _EDIT_JSON = _edit_form(), _edit_json()
+_EDIT_FORM = _edit_form()
+_EDIT_JSON = _edit_json(_EDIT_FORM)
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -310,8 +311,7 @@ class Ingress:
         try:
             v = validate(body, self.args, self.model_name)
         except BadRequest as e:
-            self.m_requests.inc(tags={"pool": "none", "status": "400"})
-            return _error(400, e.message, "invalid_request_error", e.param)
+            return self._refuse(e)
         return await self._serve(v, request, "image_generation")
 
     @api.get("/v1/images/files/{file_id}", name="image_file", responses={
@@ -347,19 +347,20 @@ class Ingress:
             else:
                 raise ValueError(f"got Content-Type {ctype!r}")
         except BadRequest as e:
-            self.m_requests.inc(tags={"pool": "none", "status": "400"})
-            return _error(400, e.message, "invalid_request_error", e.param)
+            return self._refuse(e)
         except Exception as e:  # not JSON or multipart, a broken part: the parsers raise several types
-            self.m_requests.inc(tags={"pool": "none", "status": "400"})
-            return _error(400, f"the body must be multipart/form-data or JSON ({_reason(e)})",
-                          "invalid_request_error")
+            return self._refuse(BadRequest(None, f"the body must be multipart/form-data or JSON ({_reason(e)})"))
         try:
             # decoding images takes CPU time: off the event loop, so other requests keep flowing meanwhile
             v = await asyncio.to_thread(validate_edit, fields, files, self.args, self.model_name, typed)
         except BadRequest as e:
-            self.m_requests.inc(tags={"pool": "none", "status": "400"})
-            return _error(400, e.message, "invalid_request_error", e.param)
+            return self._refuse(e)
         return await self._serve(v, request, "image_edit")
+
+    def _refuse(self, e: BadRequest) -> JSONResponse:
+        """A request refused before it reaches a pool: counted, and answered 400 with the reason."""
+        self.m_requests.inc(tags={"pool": "none", "status": "400"})
+        return _error(400, e.message, "invalid_request_error", e.param)
 
     async def _edit_form(self, request: Request) -> tuple[dict[str, Any], dict[str, bytes]]:
         """A multipart edit's text fields and files (the first file of each name)."""

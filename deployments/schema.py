@@ -317,9 +317,9 @@ def json_edit(body: Any) -> tuple[dict[str, Any], dict[str, bytes]]:
         raise BadRequest("images", 'a JSON edit needs `images`: a list of exactly one {"image_url": ...} (FLUX edits '
                                    'one image)')
     files = {"image": _data_url(images[0], "images[0]")}
-    if fields.get("mask") is not None:
-        files["mask"] = _data_url(fields.pop("mask"), "mask")
-    fields.pop("mask", None)
+    mask = fields.pop("mask", None)
+    if mask is not None:
+        files["mask"] = _data_url(mask, "mask")
     return fields, files
 
 

@@ -252,12 +252,12 @@ class _CudnnFp8Graph:
                      amax: torch.Tensor) -> dict[int, torch.Tensor]:
         """The graph's tensor uids -> their buffers for one execute: v_scales is (v's scale, the output's scale),
         amax takes cuDNN's two reported maxima."""
-        one = (1, 1, 1, 1)
-        given = {"q": q8, "k": k8, "v": v8, "o": o8, "descale_q": descale_q.view(one),
-                 "descale_k": descale_k.view(one), "descale_v": v_scales[0:1].view(one),
-                 "descale_s": self.p_scales[0:1].view(one), "scale_s": self.p_scales[1:2].view(one),
-                 "scale_o": v_scales[1:2].view(one), "amax_s": amax[0:1].view(one), "amax_o": amax[1:2].view(one)}
-        return {_CUDNN_UIDS[name]: t for name, t in given.items()}
+        one, u = (1, 1, 1, 1), _CUDNN_UIDS
+        return {u["q"]: q8, u["k"]: k8, u["v"]: v8, u["o"]: o8, u["descale_q"]: descale_q.view(one),
+                u["descale_k"]: descale_k.view(one), u["descale_v"]: v_scales[0:1].view(one),
+                u["descale_s"]: self.p_scales[0:1].view(one), u["scale_s"]: self.p_scales[1:2].view(one),
+                u["scale_o"]: v_scales[1:2].view(one), u["amax_s"]: amax[0:1].view(one),
+                u["amax_o"]: amax[1:2].view(one)}
 
     def __call__(self, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
                  descale_k: torch.Tensor, v_scales: torch.Tensor) -> torch.Tensor:

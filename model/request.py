@@ -7,11 +7,12 @@ replica and the TP ranks all speak `GenerationRequest` directly.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Iterator, Literal
 
 if TYPE_CHECKING:
     import PIL.Image
@@ -170,9 +171,10 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 MAX_INPUT_PIXELS = 4096 * 4096
 
 
-def decode_image(data: bytes, what: str = "image", max_pixels: int = MAX_INPUT_PIXELS) -> "PIL.Image.Image":
-    """Encoded image bytes -> an RGB PIL image. ValueError naming `what` if they are not a PNG, JPEG or WebP image,
-    or if its header states more than `max_pixels` pixels (then nothing is decoded)."""
+@contextlib.contextmanager
+def _opened(data: bytes, what: str, max_pixels: int) -> Iterator["PIL.Image.Image"]:
+    """The image in `data`, opened from its header only once its format and pixel count pass; every failure, there
+    or while the caller decodes it, a ValueError naming `what`."""
     import warnings
 
     from PIL import Image, UnidentifiedImageError
@@ -186,8 +188,7 @@ def decode_image(data: bytes, what: str = "image", max_pixels: int = MAX_INPUT_P
             if width * height > max_pixels:
                 raise _TooManyPixels(f"{what} is {width}x{height} ({width * height} pixels); at most {max_pixels} "
                                      "pixels are accepted")
-            im.load()
-            return im.convert("RGB")
+            yield im
     except _TooManyPixels as exc:
         raise ValueError(str(exc)) from None
     except UnidentifiedImageError:
@@ -200,16 +201,22 @@ class _TooManyPixels(Exception):
     pass
 
 
+def decode_image(data: bytes, what: str = "image", max_pixels: int = MAX_INPUT_PIXELS) -> "PIL.Image.Image":
+    """Encoded image bytes -> an RGB PIL image. ValueError naming `what` if they are not a PNG, JPEG or WebP image,
+    or if its header states more than `max_pixels` pixels (then nothing is decoded)."""
+    with _opened(data, what, max_pixels) as im:
+        im.load()
+        return im.convert("RGB")
+
+
 def decode_mask(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> "PIL.Image.Image":
     """An edit's mask -> an RGB image, white where the image is repainted. A mask with transparency follows
     OpenAI's rule (repaint where it is fully transparent); one without keeps the inpainting rule (repaint where it
-    is white), so a mask made for either API does what its author meant."""
-    from PIL import Image
-
-    rgb = decode_image(data, "mask", max_pixels)  # the header checks, and a readable image
-    with Image.open(io.BytesIO(data)) as im:
+    is white), so a mask made for either API does what its author meant. Checked and decoded as `decode_image`."""
+    with _opened(data, "mask", max_pixels) as im:
+        im.load()
         if im.mode not in ("RGBA", "LA", "PA") and "transparency" not in im.info:
-            return rgb
+            return im.convert("RGB")
         alpha = im.convert("RGBA").getchannel("A")
     return alpha.point(lambda a: 255 if a == 0 else 0).convert("RGB")
 
