@@ -11,6 +11,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import AdaLayerNormZero
 
@@ -363,6 +364,46 @@ def test_gpu_layer_norm_modulate_exact_equals_eager(shape: tuple[int, int, int],
 
 
 @pytest.mark.gpu
+def test_gpu_layer_norm_modulate_falls_back_where_its_kernels_do_not_apply() -> None:
+    """Inputs the one-pass kernels do not take, on CUDA: fp32 rows and a width above the fast kernel's 16384 run the
+    lossless path bit for bit even with fast=True; an fp8 site given fp32 rows quantizes the fp32 norm eagerly; with
+    the gate off, eager and no kernel launch. Catches a fallback handed its arguments in the wrong order (scale for
+    shift, no eps) or a support test that lets such inputs reach a kernel."""
+    from kernels import fp8
+    from kernels.modulate import LN_GATE, layer_norm_modulate, layer_norm_modulate_eager
+
+    torch.manual_seed(0)
+    eps = 1e-5  # not the default, so a fallback that drops it shows
+
+    def inputs(dtype: torch.dtype, D: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = (torch.randn(2, 24, D, device="cuda") * 3 + 1).to(dtype)
+        return x, (torch.randn(2, D, device="cuda") * 0.5).to(dtype), torch.randn(2, D, device="cuda").to(dtype)
+
+    def reference(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        n = F.layer_norm(x, (x.shape[-1],), eps=eps)  # diffusers' chain, each product rounded to x's dtype
+        return n * (1 + scale[:, None]) + shift[:, None]
+
+    LN_GATE.reset()
+    for dtype, D in ((torch.float32, 256), (torch.bfloat16, 16388)):
+        x, scale, shift = inputs(dtype, D)
+        assert torch.equal(layer_norm_modulate(x, scale, shift, eps, fast=True), reference(x, scale, shift)), (dtype, D)
+    x, scale, shift = inputs(torch.float32, 256)
+    rows = layer_norm_modulate(x, scale, shift, eps, fp8=True)
+    y = F.layer_norm(x, (256,), eps=eps) * (1 + scale[:, None]) + shift[:, None]
+    q, s = fp8.quantize_rows_eager(y.reshape(-1, 256))
+    assert rows.shape == x.shape and torch.equal(rows.q.float(), q.float()) and torch.equal(rows.scale, s)
+    x, scale, shift = inputs(torch.bfloat16, 3072)
+    LN_GATE.reset()
+    LN_GATE.enabled = False
+    try:
+        assert torch.equal(layer_norm_modulate(x, scale, shift, eps), reference(x, scale, shift))
+        assert LN_GATE.fast_calls == 0 and not LN_GATE.verdicts()
+    finally:
+        LN_GATE.enabled = True
+    assert torch.equal(layer_norm_modulate_eager(x, scale, shift, eps), reference(x, scale, shift))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_layer_norm_modulate_fast_is_close(dtype: torch.dtype) -> None:
     """The high tier's fast kernel: not bit-exact, but within a couple of half-precision ulps of eager."""
@@ -470,7 +511,11 @@ def test_gpu_rms_rope_cat_equals_eager(shape: tuple[int, int, int], dtype: torch
         rms_rope_cat(txt, img, norm_t, norm_i, cos, sin)
         assert torch.equal(rms_rope_cat(txt, img, norm_t, norm_i, cos, sin),
                            rope_cat_eager(norm_t(txt), norm_i(img), cos, sin))
-    assert RMS_GATE.fast_calls == 1 and all(RMS_GATE.verdicts().values())
+        # image rows only (the single blocks' layout has no separate text part): no text norm to read
+        c, s = cos[T:].contiguous(), sin[T:].contiguous()
+        rms_rope_cat(None, img, None, norm_i, c, s)
+        assert torch.equal(rms_rope_cat(None, img, None, norm_i, c, s), rope_cat_eager(None, norm_i(img), c, s))
+    assert RMS_GATE.fast_calls == 2 and len(RMS_GATE.verdicts()) == 2 and all(RMS_GATE.verdicts().values())
 
 
 _RMS_FAST_INTERPRET_PROBE = r"""

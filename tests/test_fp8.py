@@ -806,14 +806,18 @@ def test_gpu_scaled_mm_gets_fast_accumulation_by_row_count(monkeypatch) -> None:
 @pytest.mark.gpu
 @_needs_fp8
 @pytest.mark.parametrize("rows", [1, 2, 16])
-def test_gpu_weight_only_layer_against_its_eager_twin(rows: int) -> None:
-    """The AdaLN modulation's shape (3072 -> 18432), bf16 rows against the fp8 weight."""
+def test_gpu_weight_only_layer_against_its_eager_twin(monkeypatch, rows: int) -> None:
+    """The AdaLN modulation's shape (3072 -> 18432), bf16 rows against the fp8 weight, through the Triton GEMV:
+    the eager twin is refused while the layer runs, so CUDA rows sent to it (a wrong device test) fail here."""
     torch.manual_seed(0)
     layer = Linear.from_linears([nn.Linear(3072, 18432, device="cuda", dtype=torch.bfloat16)],
                                 quant=FP8_WEIGHT_ONLY)
     x = torch.randn(rows, 3072, device="cuda", dtype=torch.bfloat16)
-    y = layer(x)
-    ref = fp8.weight_only_linear_eager(x, layer.weight, layer.weight_scale, layer.bias)
+    twin = fp8.weight_only_linear_eager
+    with monkeypatch.context() as m:
+        m.setattr(fp8, "weight_only_linear_eager", lambda *a: pytest.fail("CUDA rows took the eager twin"))
+        y = layer(x)
+    ref = twin(x, layer.weight, layer.weight_scale, layer.bias)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 18432)
     assert torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-2), (y.float() - ref.float()).abs().max()
 
