@@ -7,6 +7,8 @@ entries, which override these defaults by deployment name ("Ingress", "lossless"
 from __future__ import annotations
 
 import os
+import signal
+from pathlib import Path
 from typing import Any
 
 from ray.serve import Application
@@ -15,6 +17,7 @@ from deployments.config import AppArgs, PoolArgs
 from deployments.files import ImageFiles
 from deployments.ingress import Ingress
 from deployments.replica import FluxReplica
+from model.loading import check_source
 from model.request import QUALITIES
 from tp.dist import resolve_backend
 
@@ -45,9 +48,60 @@ def pool_options(pool: str, p: PoolArgs, args: AppArgs) -> dict[str, Any]:
     return opts
 
 
+def check_args(raw_args: dict[str, Any] | None, model_here: bool = True) -> AppArgs:
+    """What would fail every replica, found before any starts: args that do not parse, an API-keys file that cannot
+    be read, and (model_here: the replicas run on this machine) a model folder that is missing or incomplete. Raises
+    ValueError or model.loading.ModelLoadError with the reason."""
+    args = AppArgs.parse(raw_args)
+    args.load_api_keys()
+    if model_here:
+        check_source(args.model)
+    return args
+
+
 def build_app(raw_args: dict[str, Any]) -> Application:
-    """The builder `serve run` calls (Serve requires exactly one parameter: the YAML args)."""
-    return build_app_with_options(raw_args)
+    """The builder `serve run` calls (Serve requires exactly one parameter: the YAML args).
+
+    Serve builds a config file's app in a task of its own and, when the build fails, marks the app failed while
+    `serve run` keeps running and every route answers 404. Under a local `serve run <config>` (the Ray it started
+    runs this task) a config that cannot serve stops it instead: the reason on its stderr, exit status 15."""
+    driver = serve_run_driver()
+    try:
+        check_args(raw_args, model_here=driver is not None)
+        return build_app_with_options(raw_args)
+    except Exception as exc:
+        if driver is not None:
+            stop_serve_run(driver, f"fluxserve: the app cannot start: {exc}")
+        raise
+
+
+def serve_run_driver(pid: int | None = None) -> int | None:
+    """The `serve run` process among this process's ancestors (the Ray it started runs this task), or None (a Ray
+    started with `ray start`, as on a cluster, or not Linux)."""
+    pid = os.getppid() if pid is None else pid
+    for _ in range(8):  # worker -> raylet -> the driver that started them, with room for wrappers
+        if pid <= 1:
+            return None
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_bytes()
+        except OSError:
+            return None
+        if b"run" in argv[1:] and any(os.path.basename(a) == b"serve" for a in argv[:2]):
+            return pid
+        pid = int(stat.rsplit(b")", 1)[1].split()[1])  # the field after the process's (name) and state
+    return None
+
+
+def stop_serve_run(pid: int, reason: str) -> None:
+    """Write `reason` to the `serve run` process's stderr and send it SIGTERM, which Ray's driver turns into exit
+    status 15 after shutting its local Ray down."""
+    try:
+        with open(f"/proc/{pid}/fd/2", "w") as err:
+            err.write(reason.rstrip() + "\n")
+    except OSError:
+        pass
+    os.kill(pid, signal.SIGTERM)
 
 
 def build_app_with_options(
@@ -58,8 +112,7 @@ def build_app_with_options(
     deployment_options: per-deployment `.options()` for Python callers (tests, benches) that deploy with
     `serve.run` instead of a config file; `serve run serve_config.yaml` uses the YAML `deployments:` instead.
     """
-    args = AppArgs.parse(raw_args)
-    args.load_api_keys()  # a named keys file that cannot be read fails the deploy here, not in the ingress
+    args = check_args(raw_args, model_here=False)  # a keys file that cannot be read fails here, not in the ingress
     plain = args.to_dict()
     extra = deployment_options or {}
     unknown = set(extra) - {"Ingress", "ImageFiles", *QUALITIES}

@@ -83,16 +83,9 @@ def preflight(cfg: dict[str, Any]) -> list["AppArgs"]:
     keep running and retry them): args that do not parse, an API-keys file that cannot be read, a model folder that
     is missing or incomplete. Raises ValueError or model.loading.ModelLoadError with the reason; returns each
     application's parsed args."""
-    from deployments.config import AppArgs
-    from model.loading import check_source
+    from deployments.app import check_args
 
-    parsed = []
-    for app in cfg.get("applications", []):
-        args = AppArgs.parse(app.get("args"))
-        args.load_api_keys()
-        check_source(args.model)
-        parsed.append(args)
-    return parsed
+    return [check_args(app.get("args")) for app in cfg.get("applications", [])]
 
 
 def _interrupt(signum: int, frame: Any) -> None:
