@@ -9,16 +9,18 @@ expiry the pool calls are cancelled, so the replica stops the batch between step
 
 import asyncio
 import base64
+import html
 import json
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
@@ -38,7 +40,7 @@ from deployments.schema import (
     validate,
     validate_edit,
 )
-from model.request import QUALITIES
+from model.request import DEFAULT_PROMPT, QUALITIES
 
 logger = logging.getLogger("ray.serve")
 
@@ -203,6 +205,36 @@ def readiness(app: Any, pools: list[str]) -> tuple[bool, dict[str, Any]]:
     return ready, {"status": "ready" if ready else "starting", "pools": detail}
 
 
+_PLAYGROUND = Path(__file__).with_name("playground.html")
+# Sizes the page offers (those within the server's limits); any "WxH" may be typed.
+_PLAYGROUND_SIZES = ("256x256", "512x512", "768x768", "1024x1024", "1360x768", "768x1360", "1024x768", "768x1024")
+
+
+def playground_page(args: AppArgs, model_name: str, root_path: str = "") -> str:
+    """The page with what it needs to know about this server filled in: the model, the defaults, the sizes within
+    the limits, and whether it must ask for an API key. URLs in it are relative to `root_path` (the route prefix)."""
+    sizes = {args.default_size, *(s for s in _PLAYGROUND_SIZES if _within(args, s))}
+    config = {"model": model_name, "default_size": args.default_size, "default_steps": args.default_steps,
+              "max_steps": args.limits.max_steps, "sizes": sorted(sizes, key=_pixels),
+              "api_keys": auth.required(), "prompt": DEFAULT_PROMPT}
+    script_safe = json.dumps(config).replace("<", "\\u003c")  # no "</script>" can close the page's script
+    return (_PLAYGROUND.read_text().replace("__BASE__", html.escape(root_path.rstrip("/") + "/"))
+            .replace("__CONFIG__", script_safe))
+
+
+def _pixels(size: str) -> int:
+    w, h = size.split("x")
+    return int(w) * int(h)
+
+
+def _within(args: AppArgs, size: str) -> bool:
+    try:
+        args.limits.check_size(size)
+    except BadRequest:
+        return False
+    return True
+
+
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
 
@@ -287,6 +319,12 @@ class Ingress:
         ready, body = readiness(app, list(self.pools))
         return JSONResponse(body, status_code=200 if ready else 503)
 
+    @api.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def playground(self, request: Request) -> HTMLResponse:
+        """The playground page: one file of HTML and JS in the package (no build step, nothing from a CDN). Exempt
+        from API keys like the probes: it holds no data and asks for a key itself when keys are on."""
+        return HTMLResponse(playground_page(self.args, self.model_name, request.scope.get("root_path", "")))
+
     @api.get("/v1/models", responses=_errors(401))
     async def models(self) -> dict[str, Any]:
         return {
@@ -298,6 +336,8 @@ class Ingress:
                     "owned_by": "fluxserve",
                     "qualities": list(QUALITIES),
                     "tp": {q: self.args.pools[q].tp for q in QUALITIES},
+                    # adapters a request may name (a fused one is part of the model and named by none)
+                    "loras": [] if self.args.fuse_lora else sorted(self.args.loras),
                 }
             ],
         }
@@ -422,7 +462,8 @@ class Ingress:
             )
         if v.response_format == "url":
             ids = await asyncio.gather(*[self.files.put.remote(im, media_type) for im in images])
-            data = [{"url": str(request.url_for("image_file", file_id=i)), "seed": r["seed"]}
+            data = [{"url": str(request.url_for("image_file", file_id=i))
+                     + auth.signed_query(i, self.args.image_url_ttl_s), "seed": r["seed"]}
                     for i, r in zip(ids, results)]
         else:
             data = [{"b64_json": base64.b64encode(im).decode(), "seed": r["seed"]} for im, r in zip(images, results)]

@@ -39,6 +39,14 @@ def client():
     def lookalike() -> dict:
         return {"secret": True}
 
+    @app.get("/v1/images/files/{file_id}")
+    def image_file(file_id: str) -> dict:
+        return {"image": file_id}
+
+    @app.post("/v1/images/files/{file_id}")
+    def not_a_fetch(file_id: str) -> dict:
+        return {"posted": file_id}
+
     auth.set_keys(frozenset({KEY, OTHER}))
     try:
         yield TestClient(app)
@@ -119,9 +127,57 @@ def test_the_exemption_is_relative_to_the_mount_point(client: TestClient) -> Non
     assert mounted.get("/api/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
+def _signed(file_id: str, ttl_s: float = 60, now: float | None = None) -> str:
+    return f"/v1/images/files/{file_id}" + auth.signed_query(file_id, ttl_s, now)
+
+
+def test_signed_url_fetches_its_image_without_a_key_until_it_expires(client: TestClient, monkeypatch) -> None:
+    """The URL a `response_format: "url"` answer carries works in an <img> tag (no bearer header) while its image
+    is kept, then answers 401; it opens that image and no other route."""
+    url = _signed("abc123")
+    assert client.get(url).json() == {"image": "abc123"}
+    assert client.head(url).status_code != 401
+    assert client.post(url).status_code == 401  # a signature lets an image be read, nothing else
+    assert client.get("/v1/images/files/abc123").status_code == 401  # unsigned
+    expires = int(url.split("expires=")[1].split("&")[0])
+    monkeypatch.setattr(auth.time, "time", lambda: expires - 0.5)
+    assert client.get(url).status_code == 200
+    monkeypatch.setattr(auth.time, "time", lambda: expires)
+    r = client.get(url)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_a_tampered_signed_url_is_refused(client: TestClient) -> None:
+    """Each part of the URL is bound: another id, a later expiry, an altered or truncated signature, a signature
+    made under other keys, a signature moved to another route, and junk expiries (unicode digits, huge numbers)."""
+    url = _signed("abc123")
+    path, query = url.split("?")
+    expires, sig = (part.split("=")[1] for part in query.split("&"))
+    flipped = ("0" if sig[0] != "0" else "1") + sig[1:]
+    refused = [
+        f"/v1/images/files/abc124?{query}",
+        f"{path}?expires={int(expires) + 3600}&signature={sig}",
+        f"{path}?expires={expires}&signature={flipped}",
+        f"{path}?expires={expires}&signature={sig[:-1]}",
+        f"{path}?expires={expires}&signature=",
+        f"{path}?expires={expires}",
+        f"{path}?signature={sig}",
+        f"{path}?expires=%C2%B2&signature={sig}",
+        f"{path}?expires={'9' * 5000}&signature={sig}",
+        f"/v1/models?{query}",
+        f"/v1/images/files/abc123/x?{query}",
+    ]
+    for bad in refused:
+        assert client.get(bad).status_code == 401, bad
+    auth.set_keys(frozenset({OTHER}))  # the keys changed: URLs signed under the old set are void
+    assert client.get(url).status_code == 401
+    assert client.get(_signed("abc123")).status_code == 200
+
+
 def test_no_keys_means_no_check() -> None:
     app = FastAPI()
     app.middleware("http")(auth.require_api_key)
     app.get("/v1/models")(lambda: {"data": []})
     auth.set_keys(frozenset())
     assert TestClient(app).get("/v1/models").status_code == 200
+    assert auth.signed_query("abc", 60) == ""  # nothing to sign with: image URLs stay plain

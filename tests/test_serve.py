@@ -48,7 +48,8 @@ NOTHING_RAN = {"gelu_sites": 0, "fast_norm_sites": 0, "attention8_sites": 0, "fp
 # Prompts that model.faults slows down (seconds per denoising step), in every Ray process these tests start.
 SLOW = "slow request for a deadline test"
 BLOCKER = "blocker request keeping a replica busy"
-STEP_DELAY_S = {SLOW: 0.5, BLOCKER: 0.5}
+BURST = "burst request busy for a moment"  # many of them queue: a shorter delay keeps the burst test short
+STEP_DELAY_S = {SLOW: 0.5, BLOCKER: 0.5, BURST: 0.15}
 OOM = "request that runs out of memory"
 
 
@@ -148,6 +149,48 @@ def test_serve_run_config_smoke(fluxserve_cache: Path, tiny_path: Path) -> None:
                 proc.communicate()
                 pytest.fail("serve run did not stop within 60 s of SIGINT; its log ends:\n"
                             + Path(rt, "serve-run.log").read_text(errors="replace")[-4000:])
+
+
+@pytest.mark.parametrize("broken", ["keys", "model"])
+def test_serve_run_of_a_config_that_cannot_serve_exits_with_the_reason(fluxserve_cache: Path, broken: str) -> None:
+    """`serve run <config>` with a keys file that does not exist, or a model folder that does not: the process
+    exits non-zero within seconds, the reason on its stderr, and leaves no Ray behind (Ray's CLI alone would keep
+    running while every route answers 404)."""
+    import yaml
+
+    from deployments.demo import sigint_as_default
+
+    with tempfile.TemporaryDirectory(prefix="rs", dir="/tmp") as rt:
+        env = {**os.environ, **_ray_env(rt), "FLUXSERVE_CACHE": str(fluxserve_cache)}
+        env.pop("RAY_ADDRESS", None)
+        config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+        config["http_options"]["port"] = free_port()
+        args = config["applications"][0]["args"]
+        missing = str(Path(rt, "nowhere", "keys.txt" if broken == "keys" else "FLUX.1-dev"))
+        args["api_keys_file" if broken == "keys" else "model"] = missing
+        config_path = Path(rt, "serve_config.yaml")
+        config_path.write_text(yaml.safe_dump(config))
+        t0 = time.time()
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("serve")), "run", str(config_path)],
+                                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True, preexec_fn=sigint_as_default)
+        try:
+            _, err = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            pytest.fail("serve run kept running with a config that cannot serve")
+        took = time.time() - t0
+        text = err.decode(errors="replace")
+        assert proc.returncode != 0, text[-2000:]
+        assert "fluxserve: the app cannot start: " in text and missing in text, text[-2000:]
+        assert took < 60, took
+        for _ in range(30):  # its Ray's processes (their command lines name its temp folder) go down with it
+            leftover = subprocess.run(["pgrep", "-f", rt], capture_output=True, text=True).stdout.split()
+            if not leftover:
+                break
+            time.sleep(0.5)
+        assert not leftover, f"processes of its Ray still running: {leftover}"
 
 
 def test_sigterm_stops_the_demo_and_leaves_nothing_running(fluxserve_cache: Path, tmp_path: Path) -> None:
@@ -746,6 +789,12 @@ def test_api_keys_guard_every_route_but_healthz(auth_app: dict) -> None:
     with pytest.raises(openai.AuthenticationError) as exc:
         openai.OpenAI(base_url=url + "/v1", api_key="sk-nope", max_retries=0).models.list()
     assert exc.value.status_code == 401
+    # a signed image URL opens without a key (an <img> tag sends none); unsigned or altered, it does not
+    res = client.images.generate(prompt="a key", size="64x64", response_format="url", extra_body={"steps": 1, "seed": 5})
+    signed = res.data[0].url
+    assert "signature=" in signed and requests.get(signed, timeout=10).content == direct
+    assert requests.get(signed.split("?")[0], timeout=10).status_code == 401
+    assert requests.get(signed.replace("expires=", "expires=1"), timeout=10).status_code == 401
 
 
 def test_unreadable_api_keys_file_fails_the_build(tmp_path: Path) -> None:
@@ -849,9 +898,9 @@ def test_retry_a_replica_killed_during_a_burst_loses_no_request(serve_app: dict)
         async def burst() -> list:
             async with httpx.AsyncClient(timeout=120) as c:
                 url = app["url"] + "/v1/images/generations"
-                tasks = [asyncio.create_task(c.post(url, json={"prompt": BLOCKER, "size": "64x64", "steps": 1,
+                tasks = [asyncio.create_task(c.post(url, json={"prompt": BURST, "size": "64x64", "steps": 1,
                                                                 "seed": 100 + i})) for i in range(n)]
-                await asyncio.sleep(1.5)  # every replica holds a batch by now
+                await asyncio.sleep(1.5)  # every replica holds a batch by now; most of the 60 still queue
                 ray.kill(ray.get_actor(victim, namespace=namespace), no_restart=True)
                 return await asyncio.gather(*tasks)
 
@@ -861,7 +910,7 @@ def test_retry_a_replica_killed_during_a_burst_loses_no_request(serve_app: dict)
     assert retried["lossless"] >= 1 and retried["high"] == 0
     for i, r in enumerate(responses):
         assert base64.b64decode(r.json()["data"][0]["b64_json"]) == _direct_png(
-            serve_app["pipe"], prompt=BLOCKER, height=64, width=64, steps=1, guidance=3.5, seed=100 + i,
+            serve_app["pipe"], prompt=BURST, height=64, width=64, steps=1, guidance=3.5, seed=100 + i,
             quality="lossless"), i
 
 
@@ -1396,3 +1445,186 @@ def test_a_tp_pool_sharing_a_gpu_without_gloo_fails_the_build() -> None:
     with pytest.raises(ValueError, match="ranks that share a GPU need backend: gloo"):
         build_app_with_options({"device": "cuda", "pools": {"high": shared}})
     build_app_with_options({"device": "cuda", "pools": {"high": {**shared, "backend": "gloo"}}})  # testing mode
+
+
+def test_openai_client_json_edit_alpha_mask_style_and_safety_identifier(serve_app: dict) -> None:
+    """What a client written for OpenAI sends, through the official client: a JSON edit with data: URLs (its own
+    request path), an OpenAI mask (opaque, transparent where to edit) in the multipart edit, and `style`,
+    `safety_identifier`, `user`, `input_fidelity`, which change nothing. Each answer is byte-identical to the pipeline
+    called directly with the white-where-repainted mask the alpha means."""
+    openai = pytest.importorskip("openai")
+    import numpy as np
+    from PIL import Image
+
+    from model.pipeline import GenerationRequest
+    from tests._inputs import random_png
+
+    def png(im: Any) -> bytes:
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+        return buf.getvalue()
+
+    image = random_png(5)
+    hole = np.zeros((64, 64), dtype=bool)
+    hole[8:40, 16:56] = True
+    rgba = np.full((64, 64, 4), 255, dtype=np.uint8)
+    rgba[..., :3] = np.asarray(Image.open(io.BytesIO(image)))  # OpenAI's masks are often the photo itself ...
+    rgba[hole, 3] = 0  # ... made transparent where to edit
+    alpha_mask = png(Image.fromarray(rgba, "RGBA"))
+    white_mask = png(Image.fromarray(np.stack([np.where(hole, 255, 0).astype(np.uint8)] * 3, -1)))
+    direct = _direct(serve_app["pipe"], GenerationRequest("a red fox", height=64, width=64, steps=2, seed=6,
+                                                          image=image, mask=white_mask, strength=0.7))
+    client = openai.OpenAI(base_url=serve_app["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    data_url = lambda b: "data:image/png;base64," + base64.b64encode(b).decode()  # noqa: E731
+    res = client.post("/images/edits", cast_to=openai.types.ImagesResponse, body={
+        "prompt": "a red fox", "images": [{"image_url": data_url(image)}], "mask": {"image_url": data_url(alpha_mask)},
+        "seed": 6, "steps": 2, "strength": 0.7, "input_fidelity": "high", "safety_identifier": "user-123"})
+    assert base64.b64decode(res.data[0].b64_json) == direct
+    res = client.images.edit(image=("in.png", image, "image/png"), mask=("mask.png", alpha_mask, "image/png"),
+                             prompt="a red fox", user="u-1", extra_body={"seed": 6, "steps": 2, "strength": 0.7})
+    assert base64.b64decode(res.data[0].b64_json) == direct
+    res = client.images.generate(prompt="a red fox", size="64x64", style="natural", safety_identifier="user-123",
+                                 user="u-1", extra_body={"seed": 6, "steps": 2})
+    assert base64.b64decode(res.data[0].b64_json) == _direct_png(
+        serve_app["pipe"], prompt="a red fox", height=64, width=64, steps=2, guidance=3.5, seed=6, quality="lossless")
+
+
+# --------------------------------------------------------------------------------------------------
+# The playground page in a real browser (Debian's Chromium, driven by Playwright)
+# --------------------------------------------------------------------------------------------------
+
+CHROMIUM = os.environ.get("FLUXSERVE_CHROMIUM", "/usr/bin/chromium")
+# Flags for a headless Chromium on a machine without a network out (background connections would be refused).
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium; .ci/setup installs it)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser: Any, serve_app: dict):
+    pg = browser.new_page(viewport={"width": 1280, "height": 860})
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(serve_app["url"] + "/")
+    yield pg
+    pg.close()
+    assert not errors, f"the page raised: {errors}"
+
+
+def _fill(page: Any, prompt: str, size: str | None = "64x64", steps: int = 2, seed: int | None = 7,
+          quality: str = "lossless", stream: bool = False) -> None:
+    page.fill("#prompt", prompt)
+    if size is not None:  # (edit mode hides it: an edit keeps its image's size)
+        page.fill("#size", size)
+    page.fill("#steps", str(steps))
+    page.fill("#seed", "" if seed is None else str(seed))
+    page.select_option("#quality", quality)
+    page.set_checked("#stream", stream)
+
+
+def _shown_png(page: Any, quality: str) -> bytes:
+    src = page.get_attribute(f"#panel-{quality} img", "src")
+    assert src and src.startswith("data:image/png;base64,"), src
+    return base64.b64decode(src.split(",", 1)[1])
+
+
+def _wait_done(page: Any, *qualities: str, timeout_ms: int = 60_000) -> None:
+    for q in qualities:
+        try:
+            page.wait_for_function(f"document.getElementById('panel-{q}').dataset.state !== 'running'",
+                                   timeout=timeout_ms)
+        finally:
+            state = page.get_attribute(f"#panel-{q}", "data-state")
+        assert state == "done", (q, state, page.inner_text("#error"))
+
+
+def test_playground_draws_both_tiers_side_by_side_with_their_difference(page: Any, serve_app: dict) -> None:
+    """Generate with quality "both": each side shows its tier's image (the lossless one byte-identical to the
+    pipeline called directly, the high one to the high pool's own answer), the difference view and its PSNR
+    computed from the two, and both land in the gallery."""
+    _fill(page, "a playground test", quality="both")
+    page.click("#run")
+    _wait_done(page, "lossless", "high")
+    page.wait_for_function("document.getElementById('diff').dataset.psnr !== undefined")
+    lossless, high = _shown_png(page, "lossless"), _shown_png(page, "high")
+    assert lossless == _direct_png(serve_app["pipe"], prompt="a playground test", height=64, width=64, steps=2,
+                                   guidance=3.5, seed=7, quality="lossless")
+    body = {"prompt": "a playground test", "size": "64x64", "steps": 2, "seed": 7, "quality": "high"}
+    assert high == base64.b64decode(_post(serve_app, body).json()["data"][0]["b64_json"])
+    from PIL import Image
+    import numpy as np
+
+    a, b = (np.asarray(Image.open(io.BytesIO(x)).convert("RGB"), dtype=np.float64) for x in (lossless, high))
+    mse = ((a - b) ** 2).mean()
+    psnr = float(page.get_attribute("#diff", "data-psnr"))
+    assert (mse == 0 and psnr == float("inf")) or abs(psnr - 10 * np.log10(255 ** 2 / mse)) < 1e-6, (psnr, mse)
+    assert page.eval_on_selector_all("#gallery figure", "els => els.length") == 2
+    assert not page.is_visible("#error")
+
+
+def test_playground_streams_previews_before_the_final_image(page: Any, serve_app: dict) -> None:
+    """With "stream previews" on, the panel shows partial images as they arrive, then the final image: the same
+    bytes an unstreamed request gets."""
+    _fill(page, "a streamed playground test", steps=4, seed=11, stream=True)
+    page.click("#run")
+    _wait_done(page, "lossless")
+    events = page.evaluate("window.flux.events")
+    kinds = [e["event"] for e in events if e["quality"] == "lossless"]
+    assert kinds == ["image_generation.partial_image"] * 2 + ["image_generation.completed"], kinds
+    assert page.get_attribute("#panel-lossless", "data-previews") == "2"
+    assert _shown_png(page, "lossless") == _direct_png(serve_app["pipe"], prompt="a streamed playground test",
+                                                       height=64, width=64, steps=4, guidance=3.5, seed=11,
+                                                       quality="lossless")
+
+
+def test_playground_edits_an_uploaded_image_with_a_painted_mask(page: Any, serve_app: dict, tmp_path: Path) -> None:
+    """Edit mode: upload an image, paint over its top-left part, run. The mask the page sends is white where the
+    brush went and black elsewhere, at the image's size; the image shown is what the API answers for that image and
+    mask (so the page sends what it shows)."""
+    from PIL import Image
+    import numpy as np
+
+    src = tmp_path / "photo.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(src)
+    page.click("#mode-edit")
+    page.set_input_files("#edit-image", str(src))
+    page.wait_for_function("document.getElementById('mask-canvas').width === 64 && window.flux.editImage")
+    box = page.locator("#mask-canvas").bounding_box()
+    page.fill("#brush", "64")
+    page.mouse.move(box["x"] + box["width"] * 0.1, box["y"] + box["height"] * 0.1)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.4, box["y"] + box["height"] * 0.4, steps=8)
+    page.mouse.up()
+    _fill(page, "an edited playground test", size=None, seed=3)
+    page.click("#run")
+    _wait_done(page, "lossless")
+    mask_url = page.evaluate("window.flux.lastMask")
+    mask = np.asarray(Image.open(io.BytesIO(base64.b64decode(mask_url.split(",", 1)[1]))).convert("L"))
+    assert mask.shape == (64, 64) and set(np.unique(mask)) == {0, 255}
+    assert mask[12:18, 12:18].min() == 255 and mask[40:, 40:].max() == 0  # painted where the brush went, only there
+    image_url = "data:image/png;base64," + base64.b64encode(src.read_bytes()).decode()
+    body = {"prompt": "an edited playground test", "images": [{"image_url": image_url}], "mask": {"image_url": mask_url},
+            "steps": 2, "seed": 3, "quality": "lossless", "strength": 0.6}
+    r = requests.post(serve_app["url"] + "/v1/images/edits", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert _shown_png(page, "lossless") == base64.b64decode(r.json()["data"][0]["b64_json"])
+
+
+def test_playground_shows_the_servers_reason_for_a_bad_size(page: Any, serve_app: dict) -> None:
+    """A size the server refuses: the page shows the 400's own message, and the panel is marked failed."""
+    _fill(page, "a refused playground test", size="72x64", quality="lossless")
+    page.click("#run")
+    page.wait_for_selector("#error", state="visible", timeout=30_000)
+    expected = _post(serve_app, {"prompt": "x", "size": "72x64"}).json()["error"]["message"]
+    assert page.inner_text("#error") == f"400: {expected}"
+    assert page.get_attribute("#panel-lossless", "data-state") == "error"
