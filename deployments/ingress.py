@@ -40,7 +40,8 @@ from deployments.schema import (
     validate,
     validate_edit,
 )
-from model.request import DEFAULT_PROMPT, QUALITIES
+from model.loading import trained_sizes
+from model.request import DEFAULT_PROMPT, QUALITIES, format_size
 
 logger = logging.getLogger("ray.serve")
 
@@ -288,6 +289,9 @@ class Ingress:
         for q in QUALITIES:
             self.m_inflight.set(0, tags={"pool": q})
         self.retries = {q: 0 for q in QUALITIES}  # requests re-run after their replica went away
+        # the sizes the model's folder says it was trained at (None: it says nothing, and nothing is warned)
+        self.trained_sizes = trained_sizes(self.args.model)
+        self._warned_sizes: set[str] = set()
 
     def _enter(self, pool: str) -> None:
         self._inflight[pool] += 1
@@ -338,6 +342,7 @@ class Ingress:
                     "tp": {q: self.args.pools[q].tp for q in QUALITIES},
                     # adapters a request may name (a fused one is part of the model and named by none)
                     "loras": [] if self.args.fuse_lora else sorted(self.args.loras),
+                    "trained_sizes": self.trained_sizes,  # null: the model's folder does not say
                 }
             ],
         }
@@ -417,6 +422,30 @@ class Ingress:
         return fields, files
 
     async def _serve(self, v: Validated, request: Request, kind: str) -> Any:
+        """Route validated jobs to their pool and answer (`_answer`); an image size the model was not trained at is
+        served with a `Warning` header saying so (and logged once per size), never silently."""
+        answer = await self._answer(v, request, kind)
+        warning = self._size_warning(v)
+        if warning is None:
+            return answer
+        if isinstance(answer, dict):
+            answer = JSONResponse(answer)
+        if answer.status_code < 400:
+            answer.headers["Warning"] = warning
+        return answer
+
+    def _size_warning(self, v: Validated) -> str | None:
+        size = format_size(v.jobs[0].height, v.jobs[0].width)
+        if self.trained_sizes is None or size in self.trained_sizes:
+            return None
+        text = (f"{self.model_name} was trained at {', '.join(self.trained_sizes)} only; at {size} it may not draw "
+                "the prompt")
+        if size not in self._warned_sizes:
+            self._warned_sizes.add(size)
+            logger.warning("ingress: %s (the first request at that size; later ones carry a Warning header)", text)
+        return f'299 fluxserve "{text}"'
+
+    async def _answer(self, v: Validated, request: Request, kind: str) -> Any:
         """Route validated jobs to their pool and answer (JSON with b64 images or URLs, one raw image, or a stream
         of server-sent events whose types start with `kind`)."""
         pool = v.jobs[0].quality

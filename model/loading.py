@@ -259,6 +259,27 @@ def _is_preset(name: str) -> bool:
     return name in presets.preset_names() and not Path(name).exists()  # a folder of that name wins
 
 
+# A model folder may state the image sizes its weights were trained at (`{"trained_sizes": ["256x256"]}`), beside its
+# model_index.json; diffusers ignores the file. FLUX.1's own folders state nothing.
+TRAINED_SIZES_FILE = "fluxserve.json"
+
+
+def write_trained_sizes(folder: Path, sizes: list[str]) -> None:
+    (Path(folder) / TRAINED_SIZES_FILE).write_text(json.dumps({"trained_sizes": list(sizes)}, indent=1) + "\n")
+
+
+def trained_sizes(path_or_preset: str | os.PathLike[str]) -> list[str] | None:
+    """The "WxH" sizes the model's folder says it was trained at, or None where it says nothing (a FLUX.1 folder; a
+    random-weights preset, which is trained at none). Never builds a preset."""
+    name = str(path_or_preset)
+    folder = presets.SHIPPED.get(name) if _is_preset(name) else Path(name).expanduser()
+    try:
+        stated = json.loads((folder / TRAINED_SIZES_FILE).read_text())["trained_sizes"] if folder else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return [str(s) for s in stated] if isinstance(stated, list) and stated else None
+
+
 def check_source(path_or_preset: str | os.PathLike[str]) -> None:
     """Raise ModelLoadError where `load_pipeline` would for a folder, without loading anything (a preset name is
     built or found on first use)."""

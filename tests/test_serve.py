@@ -140,6 +140,15 @@ def test_serve_run_config_smoke(fluxserve_cache: Path, tiny_path: Path) -> None:
             img = Image.open(io.BytesIO(r.content))
             assert img.size == (256, 256)
             assert r.headers["X-Seed"] == "3" and r.headers["X-Pool"] == "lossless"
+            assert "Warning" not in r.headers  # 256x256: the toy's trained size
+            # another size: served, with a Warning header naming the sizes /v1/models states
+            models = requests.get(f"http://127.0.0.1:{http_port}/v1/models", timeout=10).json()["data"][0]
+            assert models["trained_sizes"] == ["256x256"]
+            wide = requests.post(f"http://127.0.0.1:{http_port}/v1/images/generations",
+                                 json={"prompt": "a red fox", "seed": 3, "size": "512x256", "steps": 2}, timeout=60)
+            assert wide.status_code == 200 and len(wide.json()["data"]) == 1
+            assert wide.headers["Warning"] == ('299 fluxserve "toy was trained at 256x256 only; at 512x256 it may not '
+                                               'draw the prompt"')
         finally:
             proc.send_signal(signal.SIGINT)
             try:

@@ -200,3 +200,16 @@ def test_tuning_the_decoder_keeps_the_encoder_so_the_latents_stay_valid() -> Non
     trained, untrained = (vae_report(v, "cpu", scenes, set_factors=False) for v in (shipped, vae))
     assert trained["vae_recon_adherence"] > untrained["vae_recon_adherence"] + 0.2, (trained, untrained)
     assert trained["vae_recon_l1"] < untrained["vae_recon_l1"]
+
+
+def test_the_toy_states_the_size_it_was_trained_at(tmp_path: Path) -> None:
+    """/v1/models reports it and the ingress warns outside it (tests/test_serve.py::test_serve_run_config_smoke):
+    the toy states 256x256; random presets and FLUX.1 folders state nothing; an unreadable statement is none."""
+    from model.loading import TRAINED_SIZES_FILE, trained_sizes, write_trained_sizes
+
+    assert trained_sizes("toy") == ["256x256"]
+    assert trained_sizes("tiny") is None and trained_sizes(str(tmp_path)) is None
+    write_trained_sizes(tmp_path, ["512x512", "1360x768"])
+    assert trained_sizes(str(tmp_path)) == ["512x512", "1360x768"]
+    (tmp_path / TRAINED_SIZES_FILE).write_text("{not json")
+    assert trained_sizes(str(tmp_path)) is None
