@@ -140,7 +140,7 @@ def test_cli_edits_an_image(tiny_path: Path, tmp_path: Path, capsys) -> None:
                  "--out", str(out)]) == 2
 
 
-def test_a_mask_with_transparency_follows_openais_rule_and_one_without_the_inpainting_rule() -> None:
+def test_an_alpha_mask_follows_openais_rule_and_one_without_alpha_the_inpainting_rule() -> None:
     """OpenAI edits where the mask is fully transparent; inpainting pipelines repaint where it is white. A mask with
     an alpha channel (RGBA, LA, or a palette with a transparent entry) is read by OpenAI's rule, any other by the
     inpainting rule; both give the same white-where-repainted mask. Catches an RGBA mask made for OpenAI silently

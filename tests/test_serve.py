@@ -1637,3 +1637,23 @@ def test_playground_shows_the_servers_reason_for_a_bad_size(page: Any, serve_app
     expected = _post(serve_app, {"prompt": "x", "size": "72x64"}).json()["error"]["message"]
     assert page.inner_text("#error") == f"400: {expected}"
     assert page.get_attribute("#panel-lossless", "data-state") == "error"
+
+
+def test_playground_asks_for_the_api_key_when_keys_are_on(browser: Any, auth_app: dict) -> None:
+    """With keys on, the page itself opens without one (under the app's route prefix), shows its key field, gets the
+    401's reason without a key and the image with one."""
+    pg = browser.new_page()
+    try:
+        pg.goto(auth_app["url"] + "/")
+        assert pg.is_visible("#key")
+        _fill(pg, "a keyed playground test", seed=9)
+        pg.click("#run")
+        pg.wait_for_selector("#error", state="visible", timeout=30_000)
+        assert pg.inner_text("#error").startswith("401: missing or invalid API key")
+        pg.fill("#key", "sk-test-two")
+        pg.click("#run")
+        _wait_done(pg, "lossless")
+        assert _shown_png(pg, "lossless") == _direct_png(auth_app["pipe"], prompt="a keyed playground test", height=64,
+                                                         width=64, steps=2, guidance=3.5, seed=9, quality="lossless")
+    finally:
+        pg.close()
