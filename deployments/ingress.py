@@ -9,12 +9,10 @@ expiry the pool calls are cancelled, so the replica stops the batch between step
 
 import asyncio
 import base64
-import html
 import json
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -28,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments import auth, body
+from deployments.playground import playground_page
 from deployments.config import AppArgs
 from deployments.errors import BadRequest, GenerationFailed, OutOfMemory, PoolUnavailable
 from deployments.schema import (
@@ -41,7 +40,7 @@ from deployments.schema import (
     validate_edit,
 )
 from model.loading import trained_sizes
-from model.request import DEFAULT_PROMPT, QUALITIES, format_size
+from model.request import QUALITIES, format_size
 
 logger = logging.getLogger("ray.serve")
 
@@ -204,36 +203,6 @@ def readiness(app: Any, pools: list[str]) -> tuple[bool, dict[str, Any]]:
         detail[pool] = {"ready": states.get("running", 0) > 0, "replicas": states}
     ready = all(p["ready"] for p in detail.values())
     return ready, {"status": "ready" if ready else "starting", "pools": detail}
-
-
-_PLAYGROUND = Path(__file__).with_name("playground.html")
-# Sizes the page offers (those within the server's limits); any "WxH" may be typed.
-_PLAYGROUND_SIZES = ("256x256", "512x512", "768x768", "1024x1024", "1360x768", "768x1360", "1024x768", "768x1024")
-
-
-def playground_page(args: AppArgs, model_name: str, root_path: str = "") -> str:
-    """The page with what it needs to know about this server filled in: the model, the defaults, the sizes within
-    the limits, and whether it must ask for an API key. URLs in it are relative to `root_path` (the route prefix)."""
-    sizes = {args.default_size, *(s for s in _PLAYGROUND_SIZES if _within(args, s))}
-    config = {"model": model_name, "default_size": args.default_size, "default_steps": args.default_steps,
-              "max_steps": args.limits.max_steps, "sizes": sorted(sizes, key=_pixels),
-              "api_keys": auth.required(), "prompt": DEFAULT_PROMPT}
-    script_safe = json.dumps(config).replace("<", "\\u003c")  # no "</script>" can close the page's script
-    return (_PLAYGROUND.read_text().replace("__BASE__", html.escape(root_path.rstrip("/") + "/"))
-            .replace("__CONFIG__", script_safe))
-
-
-def _pixels(size: str) -> int:
-    w, h = size.split("x")
-    return int(w) * int(h)
-
-
-def _within(args: AppArgs, size: str) -> bool:
-    try:
-        args.limits.check_size(size)
-    except BadRequest:
-        return False
-    return True
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
