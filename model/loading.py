@@ -18,6 +18,7 @@ import torch
 from model import presets
 from model.family import ModelFamily, families, family_of
 from model.pipeline import FluxServePipeline
+from model.preview import use_vae_previews
 from model.request import DEFAULT_MODEL
 
 class ModelLoadError(RuntimeError):
@@ -259,24 +260,31 @@ def _is_preset(name: str) -> bool:
     return name in presets.preset_names() and not Path(name).exists()  # a folder of that name wins
 
 
-# A model folder may state the image sizes its weights were trained at (`{"trained_sizes": ["256x256"]}`), beside its
-# model_index.json; diffusers ignores the file. FLUX.1's own folders state nothing.
-TRAINED_SIZES_FILE = "fluxserve.json"
+# What a model folder may state about itself beside its model_index.json (diffusers ignores the file; FLUX.1's own
+# folders state nothing): `trained_sizes`, the "WxH" sizes its weights were trained at; `previews: "vae"`, stream
+# previews decoded by its VAE (cheap for a small VAE) instead of the fitted linear map (model/preview.py).
+STATEMENT_FILE = "fluxserve.json"
 
 
-def write_trained_sizes(folder: Path, sizes: list[str]) -> None:
-    (Path(folder) / TRAINED_SIZES_FILE).write_text(json.dumps({"trained_sizes": list(sizes)}, indent=1) + "\n")
+def write_statement(folder: Path, **fields: Any) -> None:
+    (Path(folder) / STATEMENT_FILE).write_text(json.dumps(fields, indent=1) + "\n")
+
+
+def statement(path_or_preset: str | os.PathLike[str]) -> dict[str, Any]:
+    """What the model's folder states (empty where it states nothing or cannot be read). Never builds a preset."""
+    name = str(path_or_preset)
+    folder = presets.SHIPPED.get(name) if _is_preset(name) else Path(name).expanduser()
+    try:
+        stated = json.loads((folder / STATEMENT_FILE).read_text()) if folder else {}
+    except (OSError, ValueError):
+        return {}
+    return stated if isinstance(stated, dict) else {}
 
 
 def trained_sizes(path_or_preset: str | os.PathLike[str]) -> list[str] | None:
     """The "WxH" sizes the model's folder says it was trained at, or None where it says nothing (a FLUX.1 folder; a
-    random-weights preset, which is trained at none). Never builds a preset."""
-    name = str(path_or_preset)
-    folder = presets.SHIPPED.get(name) if _is_preset(name) else Path(name).expanduser()
-    try:
-        stated = json.loads((folder / TRAINED_SIZES_FILE).read_text())["trained_sizes"] if folder else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    random-weights preset, which is trained at none)."""
+    stated = statement(path_or_preset).get("trained_sizes")
     return [str(s) for s in stated] if isinstance(stated, list) and stated else None
 
 
@@ -301,6 +309,8 @@ def load_pipeline(path_or_preset: str | os.PathLike[str] = DEFAULT_MODEL, device
     check_folder(folder)
     transformer = load_transformer(folder, dtype)
     pipe = load_diffusers_pipeline(folder, transformer, device, dtype)
+    if statement(folder).get("previews") == "vae":
+        use_vae_previews(pipe)
     return FluxServePipeline(pipe, source=name, folder=folder)
 
 

@@ -1,7 +1,8 @@
 """Cheap previews of an image while it denoises (streamed partial images).
 
 A full VAE decode per preview would cost about as much as a denoising step at 1024x1024, so a preview is a linear
-map from the latent channels to RGB at latent resolution, then resized to the image size. The map is fitted once
+map from the latent channels to RGB at latent resolution, then resized to the image size (a model whose VAE decode
+is cheap may state `previews: "vae"` in its folder and be previewed by its VAE: `use_vae_previews`). The map is fitted once
 per pipeline from the pipeline's own VAE: a deterministic colourful picture is encoded, and least squares finds
 the RGB of each 8x8 patch from its latent vector (a "latent2rgb" fit that works for any VAE, no table of factors).
 
@@ -66,10 +67,12 @@ def _fit_picture(side: int, seed: int) -> "torch.Tensor":
 
 
 class LatentPreviewer:
-    """The fitted latent -> RGB map of one pipeline's VAE (fitted on first use, thread-safe)."""
+    """The fitted latent -> RGB map of one pipeline's VAE (fitted on first use, thread-safe); by_vae=True: previews
+    decoded by the VAE itself instead (`use_vae_previews`)."""
 
-    def __init__(self, pipe: Any) -> None:
+    def __init__(self, pipe: Any, by_vae: bool = False) -> None:
         self.pipe = pipe
+        self.by_vae = by_vae
         self._weights: torch.Tensor | None = None  # [C + 1, 3] (the last row is the bias)
         self._lock = threading.Lock()
 
@@ -111,6 +114,12 @@ class LatentPreviewer:
                 velocity = (x - previous.float()) / (sigma - sigma_prev)
                 x = x - sigma * velocity
             z = self.pipe._unpack_latents(x, height, width, self.pipe.vae_scale_factor)  # [B, C, h, w]
+            if self.by_vae:  # as FluxPipeline decodes its final latents
+                vae = self.pipe.vae
+                z = z / vae.config.scaling_factor + vae.config.shift_factor
+                images = self.pipe.image_processor.postprocess(vae.decode(z.to(vae.dtype), return_dict=False)[0],
+                                                               output_type="pil")
+                return [png_bytes(im) for im in images]
             w = self.weights().to(z.device)
             rgb = torch.einsum("bchw,cd->bhwd", z, w[:-1]) + w[-1]
             rgb = ((rgb.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu().numpy()
@@ -119,6 +128,13 @@ class LatentPreviewer:
             pil = Image.fromarray(im, "RGB").resize((width, height), Image.BILINEAR)
             out.append(png_bytes(pil))
         return out
+
+
+def use_vae_previews(pipe: Any) -> None:
+    """Preview `pipe`'s images by decoding the denoised estimate with its VAE: exact colours and detail, for a model
+    whose VAE decode costs little next to a step (a model folder states it: model.loading.STATEMENT_FILE). A real
+    FLUX.1 VAE decode costs about a step at 1024x1024, so those keep the linear map."""
+    pipe.__dict__["_fluxserve_previewer"] = LatentPreviewer(pipe, by_vae=True)
 
 
 def previewer_of(pipe: Any) -> LatentPreviewer:

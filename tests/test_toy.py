@@ -205,11 +205,41 @@ def test_tuning_the_decoder_keeps_the_encoder_so_the_latents_stay_valid() -> Non
 def test_the_toy_states_the_size_it_was_trained_at(tmp_path: Path) -> None:
     """/v1/models reports it and the ingress warns outside it (tests/test_serve.py::test_serve_run_config_smoke):
     the toy states 256x256; random presets and FLUX.1 folders state nothing; an unreadable statement is none."""
-    from model.loading import TRAINED_SIZES_FILE, trained_sizes, write_trained_sizes
+    from model.loading import STATEMENT_FILE, statement, trained_sizes, write_statement
 
-    assert trained_sizes("toy") == ["256x256"]
-    assert trained_sizes("tiny") is None and trained_sizes(str(tmp_path)) is None
-    write_trained_sizes(tmp_path, ["512x512", "1360x768"])
+    assert trained_sizes("toy") == ["256x256"] and statement("toy")["previews"] == "vae"
+    assert trained_sizes("tiny") is None and trained_sizes(str(tmp_path)) is None and statement(str(tmp_path)) == {}
+    write_statement(tmp_path, trained_sizes=["512x512", "1360x768"])
     assert trained_sizes(str(tmp_path)) == ["512x512", "1360x768"]
-    (tmp_path / TRAINED_SIZES_FILE).write_text("{not json")
-    assert trained_sizes(str(tmp_path)) is None
+    (tmp_path / STATEMENT_FILE).write_text("{not json")
+    assert trained_sizes(str(tmp_path)) is None and statement(str(tmp_path)) == {}
+
+
+def test_the_toys_stream_previews_show_its_picture(toy_pipe) -> None:
+    """The toy states `previews: "vae"`: each partial image is its VAE's decode of the denoised estimate, so the
+    last one is the final picture but for the steps still to run (>= 20 dB; the fitted linear map gave 7-15 dB on
+    the toy's flat colours), and the previews leave the final image as it is without them."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from model.pipeline import run_flux_pipeline
+    from model.preview import PreviewSink, preview_steps, previewer_of
+    from model.request import GenerationRequest
+
+    assert previewer_of(toy_pipe.pipe).by_vae
+
+    def pixels(png: bytes) -> "np.ndarray":
+        return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.float64)
+
+    req = GenerationRequest("a large red circle on the left, a small blue square at the top right, on a white "
+                            "background", height=256, width=256, steps=16, seed=3)
+    got: dict[int, bytes] = {}
+    sink = PreviewSink(preview_steps(16, 3), lambda i, step, pngs: got.__setitem__(i, pngs[0]))
+    _, with_previews = run_flux_pipeline(toy_pipe.pipe, [req], previews=sink)
+    _, without = run_flux_pipeline(toy_pipe.pipe, [req])
+    assert with_previews == without and sorted(got) == [0, 1, 2]
+    final = pixels(with_previews[0])
+    mse = ((pixels(got[2]) - final) ** 2).mean()
+    assert 10 * np.log10(255 ** 2 / max(mse, 1e-9)) >= 20

@@ -466,9 +466,10 @@ def main(argv: list[str] | None = None) -> int:
                         tokenizer=text["tokenizer"], tokenizer_2=text["tokenizer_2"])
     out = Path(a.out)
     pipe.save_pretrained(out, safe_serialization=True)
-    from model.loading import write_trained_sizes
+    from model.loading import write_statement
 
-    write_trained_sizes(out, [f"{SIZE}x{SIZE}"])  # what /v1/models states, and requests at other sizes are told
+    # what /v1/models states (requests at other sizes are told), and previews by its VAE (a decode costs little here)
+    write_statement(out, trained_sizes=[f"{SIZE}x{SIZE}"], previews="vae")
     report["weights_mb"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
     report["total_seconds"] = time.time() - t_start
     report["command"] = "python -m model.toy.train " + " ".join(argv if argv is not None else sys.argv[1:])
