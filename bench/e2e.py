@@ -281,6 +281,9 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from model import prompt_cache
+
+    prompt_cache.disable_by_default()  # every timed call encodes its prompt, as diffusers does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="flux-dev-random", help="preset or local FLUX.1 folder")
     ap.add_argument("--steps", type=int, nargs="+", default=[50, 28])

@@ -40,6 +40,9 @@ from tests._inputs import random_png, write_random_lora  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    from model import prompt_cache
+
+    prompt_cache.disable_by_default()  # every timed call encodes its prompt, as diffusers does
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="flux-dev-random")
     ap.add_argument("--size", type=int, default=1024)

@@ -110,6 +110,9 @@ def _spawn(world: int, args: argparse.Namespace, tier: str, gpus: int, tmp: Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    from model import prompt_cache
+
+    prompt_cache.disable_by_default()  # every timed call encodes its prompt, as diffusers does
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="flux-dev-random")
     ap.add_argument("--device", default="cuda")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from model import faults
+from model import faults, prompt_cache
 from model.family import family_of
 from model.features import HIGH_DEFAULTS, feature
 from model.form import BATCH_DEFAULTS, ServingForm
@@ -83,6 +83,9 @@ def edit_pipeline(pipe: Any, inpaint: bool) -> Any:
     cache = pipe.__dict__.setdefault("_fluxserve_edit_pipelines", {})
     if cls not in cache:
         cache[cls] = cls(**pipe.components)
+        prompts = prompt_cache.cache_of(pipe)
+        if prompts is not None:  # the edit pipelines share the base's prompt cache (keyed by class too)
+            prompts.install(cache[cls])
     return cache[cls]
 
 
@@ -164,6 +167,9 @@ class FluxServePipeline:
 
     def __init__(self, pipe: Any, source: str | None = None, folder: str | Path | None = None) -> None:
         self.pipe = pipe
+        # repeated prompts skip the text encoders (exact: model/prompt_cache.py); the stock reference has none
+        self.prompt_cache = prompt_cache.PromptCache()
+        self.prompt_cache.install(pipe)
         self.source = source
         self.folder = Path(folder) if folder is not None else None
         # What this pipeline serves with (model.form.ServingForm): one frozen value, replaced by the builder's
