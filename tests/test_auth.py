@@ -1,7 +1,7 @@
 """API keys without Ray: the real `deployments.auth.require_api_key` middleware on a FastAPI app, driven by a table
 of adversarial `Authorization` headers, and the /healthz exemption by exact path only.
 
-(The served app with a keys file, through the `openai` client: tests/test_serve.py::test_api_keys_guard_every_route_but_healthz.)
+(The served app with a keys file, through the `openai` client: tests/test_serve.py::TestApiKeys.)
 """
 
 from __future__ import annotations

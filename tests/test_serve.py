@@ -767,43 +767,66 @@ def test_lossless_pool_scales_up_under_load_and_back(autoscale_app: dict) -> Non
     print(f"scaled 1->2 in {up_s:.1f}s")
 
 
-@pytest.fixture
-def auth_app(serve_app: dict, tmp_path: Path):
-    """An app whose ingress requires API keys from a file."""
-    keys = tmp_path / "keys.txt"
+@pytest.fixture(scope="class")
+def auth_app(serve_app: dict, tmp_path_factory: pytest.TempPathFactory):
+    """An app whose ingress requires API keys from a file (one for the tests of `TestApiKeys`)."""
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("# fluxserve keys\nsk-test-one\n\nsk-test-two\n")
     with _side_app(serve_app, "auth", api_keys_file=str(keys)) as app:
         yield app
 
 
-def test_api_keys_guard_every_route_but_healthz(auth_app: dict) -> None:
-    openai = pytest.importorskip("openai")
-    url = auth_app["url"]
-    assert requests.get(url + "/healthz", timeout=10).status_code == 200
-    for path in ("/v1/models", "/docs", "/openapi.json", "/v1/images/files/any-id"):
-        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "sk-test-one"}):
-            r = requests.get(url + path, headers=headers, timeout=10)
-            assert r.status_code == 401, (path, headers, r.text)
-            assert r.json()["error"]["type"] == "authentication_error"
-            assert r.headers["WWW-Authenticate"] == "Bearer"
-    ok = requests.get(url + "/v1/models", headers={"Authorization": "Bearer sk-test-two"}, timeout=10)
-    assert ok.status_code == 200 and ok.json()["data"][0]["id"]
-    body = {"prompt": "a key", "size": "64x64", "steps": 1, "seed": 5}
-    assert requests.post(url + "/v1/images/generations", json=body, timeout=60).status_code == 401
-    client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test-one", max_retries=0, timeout=60)
-    res = client.images.generate(prompt="a key", size="64x64", extra_body={"steps": 1, "seed": 5})
-    direct = _direct_png(auth_app["pipe"], prompt="a key", height=64, width=64, steps=1, guidance=3.5, seed=5,
-                         quality="lossless")
-    assert base64.b64decode(res.data[0].b64_json) == direct
-    with pytest.raises(openai.AuthenticationError) as exc:
-        openai.OpenAI(base_url=url + "/v1", api_key="sk-nope", max_retries=0).models.list()
-    assert exc.value.status_code == 401
-    # a signed image URL opens without a key (an <img> tag sends none); unsigned or altered, it does not
-    res = client.images.generate(prompt="a key", size="64x64", response_format="url", extra_body={"steps": 1, "seed": 5})
-    signed = res.data[0].url
-    assert "signature=" in signed and requests.get(signed, timeout=10).content == direct
-    assert requests.get(signed.split("?")[0], timeout=10).status_code == 401
-    assert requests.get(signed.replace("expires=", "expires=1"), timeout=10).status_code == 401
+class TestApiKeys:
+    """One app with API keys on for both tests (a side app costs ~30 s to start here)."""
+
+    def test_api_keys_guard_every_route_but_healthz(self, auth_app: dict) -> None:
+        openai = pytest.importorskip("openai")
+        url = auth_app["url"]
+        assert requests.get(url + "/healthz", timeout=10).status_code == 200
+        for path in ("/v1/models", "/docs", "/openapi.json", "/v1/images/files/any-id"):
+            for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "sk-test-one"}):
+                r = requests.get(url + path, headers=headers, timeout=10)
+                assert r.status_code == 401, (path, headers, r.text)
+                assert r.json()["error"]["type"] == "authentication_error"
+                assert r.headers["WWW-Authenticate"] == "Bearer"
+        ok = requests.get(url + "/v1/models", headers={"Authorization": "Bearer sk-test-two"}, timeout=10)
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"]
+        body = {"prompt": "a key", "size": "64x64", "steps": 1, "seed": 5}
+        assert requests.post(url + "/v1/images/generations", json=body, timeout=60).status_code == 401
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test-one", max_retries=0, timeout=60)
+        res = client.images.generate(prompt="a key", size="64x64", extra_body={"steps": 1, "seed": 5})
+        direct = _direct_png(auth_app["pipe"], prompt="a key", height=64, width=64, steps=1, guidance=3.5, seed=5,
+                             quality="lossless")
+        assert base64.b64decode(res.data[0].b64_json) == direct
+        with pytest.raises(openai.AuthenticationError) as exc:
+            openai.OpenAI(base_url=url + "/v1", api_key="sk-nope", max_retries=0).models.list()
+        assert exc.value.status_code == 401
+        # a signed image URL opens without a key (an <img> tag sends none); unsigned or altered, it does not
+        res = client.images.generate(prompt="a key", size="64x64", response_format="url", extra_body={"steps": 1, "seed": 5})
+        signed = res.data[0].url
+        assert "signature=" in signed and requests.get(signed, timeout=10).content == direct
+        assert requests.get(signed.split("?")[0], timeout=10).status_code == 401
+        assert requests.get(signed.replace("expires=", "expires=1"), timeout=10).status_code == 401
+
+
+    def test_playground_asks_for_the_api_key_when_keys_are_on(self, browser: Any, auth_app: dict) -> None:
+        """With keys on, the page itself opens without one (under the app's route prefix), shows its key field, gets the
+        401's reason without a key and the image with one."""
+        pg = browser.new_page()
+        try:
+            pg.goto(auth_app["url"] + "/")
+            assert pg.is_visible("#key")
+            _fill(pg, "a keyed playground test", seed=9)
+            pg.click("#run")
+            pg.wait_for_selector("#error", state="visible", timeout=30_000)
+            assert pg.inner_text("#error").startswith("401: missing or invalid API key")
+            pg.fill("#key", "sk-test-two")
+            pg.click("#run")
+            _wait_done(pg, "lossless")
+            assert _shown_png(pg, "lossless") == _direct_png(auth_app["pipe"], prompt="a keyed playground test", height=64,
+                                                             width=64, steps=2, guidance=3.5, seed=9, quality="lossless")
+        finally:
+            pg.close()
 
 
 def test_unreadable_api_keys_file_fails_the_build(tmp_path: Path) -> None:
@@ -1638,22 +1661,3 @@ def test_playground_shows_the_servers_reason_for_a_bad_size(page: Any, serve_app
     assert page.inner_text("#error") == f"400: {expected}"
     assert page.get_attribute("#panel-lossless", "data-state") == "error"
 
-
-def test_playground_asks_for_the_api_key_when_keys_are_on(browser: Any, auth_app: dict) -> None:
-    """With keys on, the page itself opens without one (under the app's route prefix), shows its key field, gets the
-    401's reason without a key and the image with one."""
-    pg = browser.new_page()
-    try:
-        pg.goto(auth_app["url"] + "/")
-        assert pg.is_visible("#key")
-        _fill(pg, "a keyed playground test", seed=9)
-        pg.click("#run")
-        pg.wait_for_selector("#error", state="visible", timeout=30_000)
-        assert pg.inner_text("#error").startswith("401: missing or invalid API key")
-        pg.fill("#key", "sk-test-two")
-        pg.click("#run")
-        _wait_done(pg, "lossless")
-        assert _shown_png(pg, "lossless") == _direct_png(auth_app["pipe"], prompt="a keyed playground test", height=64,
-                                                         width=64, steps=2, guidance=3.5, seed=9, quality="lossless")
-    finally:
-        pg.close()
