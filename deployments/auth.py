@@ -54,7 +54,7 @@ def signed_query(file_id: str, ttl_s: float, now: float | None = None) -> str:
     return f"?expires={expires}&signature={_signature(file_id, expires)}"
 
 
-def _signed_file(path: str, query: Any, now: float | None = None) -> bool:
+def _signed_file(path: str, query: Any) -> bool:
     """A kept image's path with a signature that matches its id and an expiry still ahead."""
     file_id = path[len(FILES_PATH):]
     expires, signature = query.get("expires", ""), query.get("signature", "")
@@ -62,7 +62,7 @@ def _signed_file(path: str, query: Any, now: float | None = None) -> bool:
         return False
     if not (expires.isascii() and expires.isdigit() and len(expires) <= 12):
         return False
-    if int(expires) <= (time.time() if now is None else now):
+    if int(expires) <= time.time():
         return False
     return hmac.compare_digest(signature.encode(), _signature(file_id, int(expires)).encode())
 

@@ -22,7 +22,7 @@ def playground_page(args: AppArgs, model_name: str, root_path: str = "") -> str:
     the limits, and whether it must ask for an API key. URLs in it are relative to `root_path` (the route prefix)."""
     sizes = {args.default_size, *(s for s in _PLAYGROUND_SIZES if _within(args, s))}
     config = {"model": model_name, "default_size": args.default_size, "default_steps": args.default_steps,
-              "max_steps": args.limits.max_steps, "sizes": sorted(sizes, key=_pixels),
+              "max_steps": args.limits.max_steps, "sizes": sorted(sizes, key=lambda s: (_pixels(s), s)),
               "api_keys": auth.required(), "prompt": DEFAULT_PROMPT}
     script_safe = json.dumps(config).replace("<", "\\u003c")  # no "</script>" can close the page's script
     return (_PLAYGROUND.read_text().replace("__BASE__", html.escape(root_path.rstrip("/") + "/"))

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES: dict[str, list[str]] = {
     "deployments/schema.py": ["tests/test_schema.py"],
     "deployments/auth.py": ["tests/test_auth.py"],
+    "deployments/playground.py": ["tests/test_playground.py"],
+    "model/prompt_cache.py": ["tests/test_prompt_cache.py"],
     "deployments/files.py": ["tests/test_files.py"],
     "deployments/engine.py": ["tests/test_engine.py", "tests/test_compile.py"],
     "deployments/replica.py": ["tests/test_replica.py", "tests/test_engine.py"],

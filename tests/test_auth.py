@@ -147,6 +147,20 @@ def test_signed_url_fetches_its_image_without_a_key_until_it_expires(client: Tes
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
+def test_a_signed_url_lasts_as_long_as_its_image_and_no_longer() -> None:
+    """The expiry is the first whole second after now + ttl (the image is kept ttl seconds): not a second less, at
+    most one more."""
+    auth.set_keys(frozenset({KEY}))
+    try:
+        for now, ttl in ((1000.5, 60), (1000.0, 3600), (7.25, 0.5)):
+            expires = int(auth.signed_query("abc", ttl, now=now).split("expires=")[1].split("&")[0])
+            assert now + ttl < expires <= now + ttl + 1, (now, ttl, expires)
+        assert auth.required()
+    finally:
+        auth.set_keys(frozenset())
+    assert not auth.required()
+
+
 def test_a_tampered_signed_url_is_refused(client: TestClient) -> None:
     """Each part of the URL is bound: another id, a later expiry, an altered or truncated signature, a signature
     made under other keys, a signature moved to another route, and junk expiries (unicode digits, huge numbers)."""
@@ -166,6 +180,9 @@ def test_a_tampered_signed_url_is_refused(client: TestClient) -> None:
         f"{path}?expires={'9' * 5000}&signature={sig}",
         f"/v1/models?{query}",
         f"/v1/images/files/abc123/x?{query}",
+        _signed("abc123/x"),  # an id with a slash: not a kept image's path, whatever it is signed for
+        # a route outside the files' whose tail after the files' prefix length is signed as an id
+        "/v1/models/healthz" + auth.signed_query("/v1/models/healthz"[len(auth.FILES_PATH):], 60),
     ]
     for bad in refused:
         assert client.get(bad).status_code == 401, bad

@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 from deployments import auth  # noqa: E402
 from deployments.config import AppArgs  # noqa: E402
 from deployments.playground import playground_page  # noqa: E402
+from model.request import DEFAULT_PROMPT  # noqa: E402
 
 
 def _config(page: str) -> dict:
@@ -26,9 +27,14 @@ def test_the_playground_is_told_the_servers_defaults_limits_and_key_rule() -> No
     page = playground_page(args, "toy", "/api")
     cfg = _config(page)
     assert cfg["model"] == "toy" and cfg["default_size"] == "512x256" and cfg["default_steps"] == 9
-    assert cfg["max_steps"] == 40 and cfg["api_keys"] is False
+    assert cfg["max_steps"] == 40 and cfg["api_keys"] is False and cfg["prompt"] == DEFAULT_PROMPT
     assert cfg["sizes"] == ["256x256", "512x256", "512x512"]  # the offered sizes the limits admit, by pixel count
     assert '<base href="/api/">' in page and "__BASE__" not in page and "__CONFIG__" not in page
+    wide = AppArgs.parse({"model": "toy", "limits": {"max_side": 1360, "max_pixels": 1360 * 768}})
+    assert _config(playground_page(wide, "toy"))["sizes"] == [  # by pixels, then by name: the same on every start
+        "256x256", "512x512", "768x768", "1024x768", "768x1024", "1360x768", "768x1360"]  # 1024x1024: too many pixels
+    for prefix in ("/api/", "/prefiX"):  # one slash after the prefix, whether it ends in one or not
+        assert f'<base href="{prefix.rstrip("/")}/">' in playground_page(args, "toy", prefix)
     auth.set_keys(frozenset({"sk-a"}))
     try:
         assert _config(playground_page(args, "toy"))["api_keys"] is True

@@ -61,5 +61,71 @@ def test_the_cache_keeps_its_size_and_can_be_off(fresh, monkeypatch) -> None:
     monkeypatch.setenv("FLUXSERVE_PROMPT_CACHE", "16")
     prompt_cache.disable_by_default()  # the benchmarks' switch: pipelines built after it keep nothing
     assert prompt_cache.PromptCache().size == 0 and prompt_cache.os.environ["FLUXSERVE_PROMPT_CACHE"] == "0"
-    with pytest.raises(ValueError):
+
+
+class _Encoder:
+    """A pipeline's `encode_prompt` stand-in: records each call's arguments and returns them."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def encode_prompt(self, prompt=None, prompt_2=None, device=None, num_images_per_prompt=1, prompt_embeds=None,
+                      pooled_prompt_embeds=None, max_sequence_length=512, lora_scale=None):
+        args = dict(prompt=prompt, prompt_2=prompt_2, device=device, num_images_per_prompt=num_images_per_prompt,
+                    prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
+                    max_sequence_length=max_sequence_length, lora_scale=lora_scale)
+        self.calls.append(args)
+        return ("embeds", len(self.calls))
+
+
+class _OtherEncoder(_Encoder):
+    pass
+
+
+def test_the_cache_passes_every_argument_on_and_keys_on_each() -> None:
+    """Unit test on a stand-in pipeline: every argument reaches the real encode_prompt as given (also its defaults);
+    a call differing in any one argument, or made on another pipeline class, is another entry; a str and a
+    one-prompt list are the same call; counts of hits and misses are exact; installing twice wraps once."""
+    cache = prompt_cache.PromptCache(size=32)
+    pipe, other = _Encoder(), _OtherEncoder()
+    cache.install(pipe)
+    cache.install(pipe)  # no second wrapper (a call would then count twice)
+    cache.install(other)
+    base = dict(prompt=["a fox"], prompt_2=["a fox, 35mm"], device="cpu", num_images_per_prompt=2,
+                max_sequence_length=77, lora_scale=0.5)
+    assert pipe.encode_prompt(**base) == ("embeds", 1)
+    assert pipe.calls == [{**base, "prompt_embeds": None, "pooled_prompt_embeds": None}]
+    assert pipe.encode_prompt(**base) == ("embeds", 1) and (cache.hits, cache.misses) == (1, 1)
+    variants = [dict(prompt=["a cat"]), dict(prompt_2=None), dict(device="meta"), dict(num_images_per_prompt=1),
+                dict(max_sequence_length=512), dict(lora_scale=None)]
+    for i, change in enumerate(variants, start=2):
+        assert pipe.encode_prompt(**{**base, **change}) == ("embeds", i), change
+    assert other.encode_prompt(**base) == ("embeds", 1)  # another class: its own entry
+    assert (cache.hits, cache.misses) == (1, 2 + len(variants))
+    pipe.encode_prompt(prompt="a fox")
+    assert pipe.calls[-1] == {**{k: None for k in base}, "prompt": "a fox", "num_images_per_prompt": 1,
+                              "max_sequence_length": 512, "prompt_embeds": None, "pooled_prompt_embeds": None}
+    n = len(pipe.calls)
+    pipe.encode_prompt(prompt=["a fox"])  # diffusers reads a str as a one-prompt list
+    assert len(pipe.calls) == n
+
+
+def test_given_embeddings_are_not_kept_and_the_oldest_entry_goes_first() -> None:
+    cache = prompt_cache.PromptCache(size=2)
+    pipe = _Encoder()
+    cache.install(pipe)
+    for given in (dict(prompt_embeds="e"), dict(pooled_prompt_embeds="p")):  # either one: nothing to encode or keep
+        pipe.encode_prompt(prompt="a", **given)
+        pipe.encode_prompt(prompt="a", **given)
+    assert len(pipe.calls) == 4 and len(cache) == 0
+    for prompt in ("a", "b", "a", "c", "a", "b"):  # "a" used again before "c" came in: "b" is the oldest, it goes
+        pipe.encode_prompt(prompt=prompt)
+    assert [c["prompt"] for c in pipe.calls[4:]] == ["a", "b", "c", "b"] and len(cache) == 2
+    one = prompt_cache.PromptCache(size=1)
+    solo = _Encoder()
+    one.install(solo)
+    solo.encode_prompt(prompt="a")
+    solo.encode_prompt(prompt="a")
+    assert len(solo.calls) == 1  # a cache of one still keeps one
+    with pytest.raises(ValueError, match="prompt cache size must be >= 0, got -1"):
         prompt_cache.PromptCache(-1)
