@@ -117,7 +117,11 @@ def test_given_embeddings_are_not_kept_and_the_oldest_entry_goes_first() -> None
     for given in (dict(prompt_embeds="e"), dict(pooled_prompt_embeds="p")):  # either one: nothing to encode or keep
         pipe.encode_prompt(prompt="a", **given)
         pipe.encode_prompt(prompt="a", **given)
+        assert all(pipe.calls[-1][k] == v for k, v in given.items())  # and what was given is passed on
     assert len(pipe.calls) == 4 and len(cache) == 0
+    pipe.encode_prompt(prompt="a", prompt_embeds="e", pooled_prompt_embeds="p")
+    assert (pipe.calls[-1]["prompt_embeds"], pipe.calls[-1]["pooled_prompt_embeds"]) == ("e", "p")
+    pipe.calls.pop()
     for prompt in ("a", "b", "a", "c", "a", "b"):  # "a" used again before "c" came in: "b" is the oldest, it goes
         pipe.encode_prompt(prompt=prompt)
     assert [c["prompt"] for c in pipe.calls[4:]] == ["a", "b", "c", "b"] and len(cache) == 2
