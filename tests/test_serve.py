@@ -1531,8 +1531,10 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-component-update", "--disable-sync"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def browser():
+    # Per test: Playwright's sync API holds an event loop on this thread while it runs, and the Serve tests call
+    # asyncio.run() and Ray's sync handles, which refuse to run inside one.
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip(f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium; .ci/setup installs it)")
