@@ -321,12 +321,12 @@ class Ingress:
         response_model=ImageResponse,
         responses={200: _IMAGES_OK, **_errors(400, 401, 413, 500, 503, 504)},
     )
-    async def generations(self, body: ImageRequest, request: Request) -> Any:
+    async def generations(self, body: ImageRequest, request: Request, response: Response) -> Any:
         try:
             v = validate(body, self.args, self.model_name)
         except BadRequest as e:
             return self._refuse(e)
-        return await self._serve(v, request, "image_generation")
+        return await self._serve(v, request, response, "image_generation")
 
     @api.get("/v1/images/files/{file_id}", name="image_file", responses={
         200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}, "description": "the image"},
@@ -347,7 +347,7 @@ class Ingress:
         openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": _EDIT_FORM},
                                                                      "application/json": {"schema": _EDIT_JSON}}}},
     )
-    async def edits(self, request: Request) -> Any:
+    async def edits(self, request: Request, response: Response) -> Any:
         """OpenAI's edit, as a multipart form (`image`, optional `mask`, `prompt` and the generation fields as form
         values, plus `strength`) or as JSON (`images: [{"image_url": <base64 data: URL>}]`, optional `mask:
         {"image_url": ...}`); image-to-image without a mask, inpainting with one."""
@@ -369,7 +369,7 @@ class Ingress:
             v = await asyncio.to_thread(validate_edit, fields, files, self.args, self.model_name, typed)
         except BadRequest as e:
             return self._refuse(e)
-        return await self._serve(v, request, "image_edit")
+        return await self._serve(v, request, response, "image_edit")
 
     def _refuse(self, e: BadRequest) -> JSONResponse:
         """A request refused before it reaches a pool: counted, and answered 400 with the reason."""
@@ -390,17 +390,14 @@ class Ingress:
                 files[name] = await value.read()
         return fields, files
 
-    async def _serve(self, v: Validated, request: Request, kind: str) -> Any:
+    async def _serve(self, v: Validated, request: Request, response: Response, kind: str) -> Any:
         """Route validated jobs to their pool and answer (`_answer`); an image size the model was not trained at is
-        served with a `Warning` header saying so (and logged once per size), never silently."""
+        served with a `Warning` header saying so (and logged once per size), never silently. `response` is FastAPI's
+        injected one: its headers go out with a JSON answer, which stays serialized by the route's response model."""
         answer = await self._answer(v, request, kind)
         warning = self._size_warning(v)
-        if warning is None:
-            return answer
-        if isinstance(answer, dict):
-            answer = JSONResponse(answer)
-        if answer.status_code < 400:
-            answer.headers["Warning"] = warning
+        if warning is not None and (isinstance(answer, dict) or answer.status_code < 400):
+            (response if isinstance(answer, dict) else answer).headers["Warning"] = warning
         return answer
 
     def _size_warning(self, v: Validated) -> str | None:
