@@ -41,6 +41,13 @@ def random_png(seed: int, size: tuple[int, int] = (64, 64), mask: bool = False) 
     return buf.getvalue()
 
 
+def data_url(png: bytes) -> str:
+    """PNG bytes as the base64 data: URL of OpenAI's JSON edit (`images: [{"image_url": ...}]`)."""
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
 def write_random_lora(transformer: torch.nn.Module, path: Path, seed: int, rank: int = 4,
                       targets: tuple[str, ...] = LORA_TARGETS, std: float = 0.2) -> Path:
     """A random adapter in diffusers/PEFT key format on every block linear whose name ends with one of `targets`."""

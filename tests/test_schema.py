@@ -16,7 +16,7 @@ pytest.importorskip("pydantic")  # the HTTP model; absent on GPU boxes that only
 
 from deployments.config import AppArgs, Limits  # noqa: E402
 from deployments.schema import SEED_MAX, BadRequest, ImageRequest, validate  # noqa: E402
-from tests._inputs import png_bomb  # noqa: E402
+from tests._inputs import data_url, png_bomb  # noqa: E402
 
 LIMITS = Limits(min_side=64, max_side=1024, max_pixels=512 * 1024, size_multiple=16, min_steps=2, max_steps=50,
                 max_n=3, max_prompt_chars=40, max_guidance=12.0)
@@ -494,12 +494,6 @@ def test_the_openai_fields_we_ignore_still_refuse_values_openai_would_refuse(fie
         ImageRequest(prompt="x", **{field: value})
 
 
-def _data_url(data: bytes) -> str:
-    import base64
-
-    return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
 def test_a_json_edit_reads_as_the_same_form_as_multipart() -> None:
     """OpenAI's JSON edit body (images and mask as base64 data: URLs, typed fields) -> the same validated jobs as
     the multipart form with the same values. Catches a dropped mask, a field lost on the way, typed values
@@ -507,8 +501,8 @@ def test_a_json_edit_reads_as_the_same_form_as_multipart() -> None:
     from deployments.schema import json_edit, validate_edit
 
     image, mask = _png(64, 64), _png(64, 64)
-    fields, files = json_edit({"prompt": "a fox", "images": [{"image_url": _data_url(image)}],
-                               "mask": {"image_url": _data_url(mask)}, "n": 2, "steps": 3, "strength": 0.5,
+    fields, files = json_edit({"prompt": "a fox", "images": [{"image_url": data_url(image)}],
+                               "mask": {"image_url": data_url(mask)}, "n": 2, "steps": 3, "strength": 0.5,
                                "seed": 9, "stream": False})
     assert files == {"image": image, "mask": mask}
     from_json = validate_edit(fields, files, ARGS, MODEL, typed=True)
@@ -543,7 +537,7 @@ def test_a_json_edits_typed_values_are_checked_as_they_are() -> None:
     """A JSON `"n": "2"` is a string, not a number: refused as the JSON generations route refuses it."""
     from deployments.schema import json_edit, validate_edit
 
-    fields, files = json_edit({"prompt": "x", "images": [{"image_url": _data_url(_png(64, 64))}], "n": "2"})
+    fields, files = json_edit({"prompt": "x", "images": [{"image_url": data_url(_png(64, 64))}], "n": "2"})
     with pytest.raises(BadRequest) as exc:
         validate_edit(fields, files, ARGS, MODEL, typed=True)
     assert exc.value.param == "n"

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from tests._inputs import data_url
 from tests._ports import free_port
 
 requests = pytest.importorskip("requests")
@@ -147,6 +148,7 @@ def test_serve_run_config_smoke(fluxserve_cache: Path, tiny_path: Path) -> None:
             wide = requests.post(f"http://127.0.0.1:{http_port}/v1/images/generations",
                                  json={"prompt": "a red fox", "seed": 3, "size": "512x256", "steps": 2}, timeout=60)
             assert wide.status_code == 200 and len(wide.json()["data"]) == 1
+            assert set(wide.json()["data"][0]) == {"b64_json", "url", "seed"}  # the response model's shape still
             assert wide.headers["Warning"] == ('299 fluxserve "toy was trained at 256x256 only; at 512x256 it may not '
                                                'draw the prompt"')
         finally:
@@ -1222,7 +1224,6 @@ def test_a_json_edit_answers_the_bytes_of_the_same_multipart_edit(serve_app: dic
     from tests._inputs import random_png
 
     image, mask = random_png(3), random_png(4, mask=True)
-    data_url = lambda b: "data:image/png;base64," + base64.b64encode(b).decode()  # noqa: E731
     url = serve_app["url"] + "/v1/images/edits"
     body = {"prompt": "a red fox", "seed": 5, "steps": 2, "strength": 0.7}
     as_json = requests.post(url, json={**body, "images": [{"image_url": data_url(image)}],
@@ -1488,13 +1489,8 @@ def test_openai_client_json_edit_alpha_mask_style_and_safety_identifier(serve_ap
     import numpy as np
     from PIL import Image
 
-    from model.pipeline import GenerationRequest
+    from model.pipeline import GenerationRequest, png_bytes
     from tests._inputs import random_png
-
-    def png(im: Any) -> bytes:
-        buf = io.BytesIO()
-        im.save(buf, format="PNG")
-        return buf.getvalue()
 
     image = random_png(5)
     hole = np.zeros((64, 64), dtype=bool)
@@ -1502,12 +1498,11 @@ def test_openai_client_json_edit_alpha_mask_style_and_safety_identifier(serve_ap
     rgba = np.full((64, 64, 4), 255, dtype=np.uint8)
     rgba[..., :3] = np.asarray(Image.open(io.BytesIO(image)))  # OpenAI's masks are often the photo itself ...
     rgba[hole, 3] = 0  # ... made transparent where to edit
-    alpha_mask = png(Image.fromarray(rgba, "RGBA"))
-    white_mask = png(Image.fromarray(np.stack([np.where(hole, 255, 0).astype(np.uint8)] * 3, -1)))
+    alpha_mask = png_bytes(Image.fromarray(rgba, "RGBA"))
+    white_mask = png_bytes(Image.fromarray(np.stack([np.where(hole, 255, 0).astype(np.uint8)] * 3, -1)))
     direct = _direct(serve_app["pipe"], GenerationRequest("a red fox", height=64, width=64, steps=2, seed=6,
                                                           image=image, mask=white_mask, strength=0.7))
     client = openai.OpenAI(base_url=serve_app["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
-    data_url = lambda b: "data:image/png;base64," + base64.b64encode(b).decode()  # noqa: E731
     res = client.post("/images/edits", cast_to=openai.types.ImagesResponse, body={
         "prompt": "a red fox", "images": [{"image_url": data_url(image)}], "mask": {"image_url": data_url(alpha_mask)},
         "seed": 6, "steps": 2, "strength": 0.7, "input_fidelity": "high", "safety_identifier": "user-123"})
@@ -1646,7 +1641,7 @@ def test_playground_edits_an_uploaded_image_with_a_painted_mask(page: Any, serve
     mask = np.asarray(Image.open(io.BytesIO(base64.b64decode(mask_url.split(",", 1)[1]))).convert("L"))
     assert mask.shape == (64, 64) and set(np.unique(mask)) == {0, 255}
     assert mask[12:18, 12:18].min() == 255 and mask[40:, 40:].max() == 0  # painted where the brush went, only there
-    image_url = "data:image/png;base64," + base64.b64encode(src.read_bytes()).decode()
+    image_url = data_url(src.read_bytes())
     body = {"prompt": "an edited playground test", "images": [{"image_url": image_url}], "mask": {"image_url": mask_url},
             "steps": 2, "seed": 3, "quality": "lossless", "strength": 0.6}
     r = requests.post(serve_app["url"] + "/v1/images/edits", json=body, timeout=60)
