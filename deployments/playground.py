@@ -3,6 +3,7 @@ elsewhere) with what it needs to know about this server filled in."""
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 from pathlib import Path
@@ -25,8 +26,13 @@ def playground_page(args: AppArgs, model_name: str, root_path: str = "") -> str:
               "max_steps": args.limits.max_steps, "sizes": sorted(sizes, key=lambda s: (_pixels(s), s)),
               "api_keys": auth.required(), "prompt": DEFAULT_PROMPT}
     script_safe = json.dumps(config).replace("<", "\\u003c")  # no "</script>" can close the page's script
-    return (_PLAYGROUND.read_text().replace("__BASE__", html.escape(root_path.rstrip("/") + "/"))
+    return (_template().replace("__BASE__", html.escape(root_path.rstrip("/") + "/"))
             .replace("__CONFIG__", script_safe))
+
+
+@functools.cache
+def _template() -> str:
+    return _PLAYGROUND.read_text()  # once per process, not per page view
 
 
 def _pixels(size: str) -> int:

@@ -14,16 +14,17 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+# Entries kept (an entry holds one call's embeddings: a FLUX.1 prompt is ~4 MB of T5 output in bf16), unless the
+# environment says otherwise (read when a cache is made, so spawned TP ranks follow their parent).
+DEFAULT_SIZE = 16
 _ENV = "FLUXSERVE_PROMPT_CACHE"
-# Entries kept (an entry holds one call's embeddings: a FLUX.1 prompt is ~4 MB of T5 output in bf16).
-DEFAULT_SIZE = int(os.environ.get(_ENV, "16"))
 
 
 class PromptCache:
     """An LRU of `encode_prompt` results, shared by the pipelines it is installed on."""
 
     def __init__(self, size: int | None = None) -> None:
-        size = DEFAULT_SIZE if size is None else size
+        size = int(os.environ.get(_ENV, DEFAULT_SIZE)) if size is None else size
         if size < 0:
             raise ValueError(f"prompt cache size must be >= 0, got {size}")
         self.size = size
@@ -66,10 +67,6 @@ class PromptCache:
         pipe.encode_prompt = cached
         pipe.__dict__["_fluxserve_prompt_cache"] = self
 
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -81,11 +78,9 @@ def _texts(prompt: Any) -> tuple[str, ...] | None:
 
 
 def disable_by_default() -> None:
-    """Pipelines built after this keep no prompt embeddings: benchmarks that time one prompt again and again, so
-    that every timed call encodes it, as stock diffusers does."""
-    global DEFAULT_SIZE
-    DEFAULT_SIZE = 0
-    os.environ[_ENV] = "0"  # and in the processes it spawns (TP ranks)
+    """Pipelines built after this, in this process and those it spawns (TP ranks), keep no prompt embeddings:
+    benchmarks that time one prompt again and again, so that every timed call encodes it, as stock diffusers does."""
+    os.environ[_ENV] = "0"
 
 
 def cache_of(pipe: Any) -> PromptCache | None:

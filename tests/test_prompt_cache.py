@@ -57,7 +57,6 @@ def test_the_cache_keeps_its_size_and_can_be_off(fresh, monkeypatch) -> None:
     for prompt in ("a", "b", "c", "a"):  # "a" left when "c" came in
         pipe.generate([GenerationRequest(prompt, height=64, width=64, steps=1, seed=0)])
     assert len(calls) == 4 and len(pipe.prompt_cache) == 2
-    monkeypatch.setattr(prompt_cache, "DEFAULT_SIZE", prompt_cache.DEFAULT_SIZE)
     monkeypatch.setenv("FLUXSERVE_PROMPT_CACHE", "16")
     prompt_cache.disable_by_default()  # the benchmarks' switch: pipelines built after it keep nothing
     assert prompt_cache.PromptCache().size == 0 and prompt_cache.os.environ["FLUXSERVE_PROMPT_CACHE"] == "0"
