@@ -39,7 +39,7 @@ from deployments.schema import (
     validate,
     validate_edit,
 )
-from model.loading import trained_sizes
+from model.loading import model_family, trained_sizes
 from model.request import QUALITIES, format_size
 
 logger = logging.getLogger("ray.serve")
@@ -260,6 +260,7 @@ class Ingress:
         self.retries = {q: 0 for q in QUALITIES}  # requests re-run after their replica went away
         # the sizes the model's folder says it was trained at (None: it says nothing, and nothing is warned)
         self.trained_sizes = trained_sizes(self.args.model)
+        self.family = model_family(self.args.model)  # how edits run on it (FLUX.1: strength and masks; Kontext: none)
         self._warned_sizes: set[str] = set()
 
     def _enter(self, pool: str) -> None:
@@ -296,7 +297,8 @@ class Ingress:
     async def playground(self, request: Request) -> HTMLResponse:
         """The playground page: one file of HTML and JS in the package (no build step, nothing from a CDN). Exempt
         from API keys like the probes: it holds no data and asks for a key itself when keys are on."""
-        return HTMLResponse(playground_page(self.args, self.model_name, request.scope.get("root_path", "")))
+        return HTMLResponse(playground_page(self.args, self.model_name, request.scope.get("root_path", ""),
+                                            self.family.edits))
 
     @api.get("/v1/models", responses=_errors(401))
     async def models(self) -> dict[str, Any]:
@@ -312,6 +314,10 @@ class Ingress:
                     # adapters a request may name (a fused one is part of the model and named by none)
                     "loras": [] if self.args.fuse_lora else sorted(self.args.loras),
                     "trained_sizes": self.trained_sizes,  # null: the model's folder does not say
+                    "family": self.family.name,
+                    # how /v1/images/edits uses the image: "strength" (image-to-image, masks inpaint) or
+                    # "reference" (edits by instruction, no mask or strength)
+                    "edits": self.family.edits,
                 }
             ],
         }
@@ -366,7 +372,8 @@ class Ingress:
             return self._refuse(BadRequest(None, f"the body must be multipart/form-data or JSON ({_reason(e)})"))
         try:
             # decoding images takes CPU time: off the event loop, so other requests keep flowing meanwhile
-            v = await asyncio.to_thread(validate_edit, fields, files, self.args, self.model_name, typed)
+            v = await asyncio.to_thread(validate_edit, fields, files, self.args, self.model_name, typed,
+                                        self.family)
         except BadRequest as e:
             return self._refuse(e)
         return await self._serve(v, request, response, "image_edit")

@@ -18,13 +18,14 @@ _PLAYGROUND = Path(__file__).with_name("playground.html")
 _PLAYGROUND_SIZES = ("256x256", "512x512", "768x768", "1024x1024", "1360x768", "768x1360", "1024x768", "768x1024")
 
 
-def playground_page(args: AppArgs, model_name: str, root_path: str = "") -> str:
-    """The page with what it needs to know about this server filled in: the model, the defaults, the sizes within
-    the limits, and whether it must ask for an API key. URLs in it are relative to `root_path` (the route prefix)."""
+def playground_page(args: AppArgs, model_name: str, root_path: str = "", edits: str = "strength") -> str:
+    """The page with what it needs to know about this server filled in: the model, how it edits (`edits`, the model
+    family's: "strength" offers a mask and strength, "reference" neither), the defaults, the sizes within the limits,
+    and whether it must ask for an API key. URLs in it are relative to `root_path` (the route prefix)."""
     sizes = {args.default_size, *(s for s in _PLAYGROUND_SIZES if _within(args, s))}
     config = {"model": model_name, "default_size": args.default_size, "default_steps": args.default_steps,
               "max_steps": args.limits.max_steps, "sizes": sorted(sizes, key=lambda s: (_pixels(s), s)),
-              "api_keys": auth.required(), "prompt": DEFAULT_PROMPT}
+              "api_keys": auth.required(), "prompt": DEFAULT_PROMPT, "edits": edits}
     script_safe = json.dumps(config).replace("<", "\\u003c")  # no "</script>" can close the page's script
     return (_template().replace("__BASE__", html.escape(root_path.rstrip("/") + "/"))
             .replace("__CONFIG__", script_safe))

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from deployments.config import AppArgs, pool_refusal
 from deployments.errors import BadRequest
+from model.family import ModelFamily
 from model.preview import MAX_PARTIAL_IMAGES
 from model.request import (
     QUALITIES,
@@ -342,9 +343,10 @@ def _data_url(ref: Any, where: str) -> bytes:
 
 
 def validate_edit(fields: dict[str, Any], files: dict[str, bytes], args: AppArgs, model_name: str,
-                  typed: bool = False) -> Validated:
+                  typed: bool = False, family: ModelFamily | None = None) -> Validated:
     """An OpenAI-style multipart edit: `image` (+ optional `mask`, white = repaint) and the generation fields as form
-    values (plus `strength`). The size defaults to the image's own, rounded down to a multiple of 16."""
+    values (plus `strength`). The size defaults to the image's own, rounded down to a multiple of 16. `family`: the
+    served model's (its edit rules and default strength; None: FLUX.1's image-to-image and inpainting)."""
     from dataclasses import replace
 
     from pydantic import ValidationError
@@ -381,15 +383,23 @@ def validate_edit(fields: dict[str, Any], files: dict[str, bytes], args: AppArgs
         err = exc.errors()[0]
         raise BadRequest(str(err["loc"][0]) if err.get("loc") else None, f"{err.get('msg')}") from None
     edit: dict[str, Any] = {"image": image, "mask": files.get("mask")}
-    if strength_text is not None:  # else GenerationRequest's default
+    strength = None
+    if strength_text is not None:  # else the family's default
         try:
             if isinstance(strength_text, bool) or not isinstance(strength_text, (str, int, float)):
                 raise ValueError
-            edit["strength"] = float(strength_text)
+            strength = float(strength_text)
         except ValueError:
             raise BadRequest("strength", f"strength must be a number, got {strength_text!r}") from None
-        if not 0 < edit["strength"] <= 1:
-            raise BadRequest("strength", f"strength must be in (0, 1], got {edit['strength']}")
+        if not 0 < strength <= 1:
+            raise BadRequest("strength", f"strength must be in (0, 1], got {strength}")
+    if family is not None:
+        strength = family.strength(strength)
+        error = family.edit_error(edit["mask"] is not None, strength)
+        if error is not None:
+            raise BadRequest("mask" if edit["mask"] is not None else "strength", error)
+    if strength is not None:
+        edit["strength"] = strength
     try:
         v = validate(req, args, model_name)
     except BadRequest as exc:

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from model.request import (DEFAULT_MODEL, DEFAULT_PROMPT, DEFAULT_STEPS, DTYPES, QUALITIES, GenerationRequest,
-                           dtype_name, parse_size, validate_batch)
+from model.presets import preset_names
+from model.request import (DEFAULT_MODEL, DEFAULT_PROMPT, DEFAULT_STEPS, DEFAULT_STRENGTH, DTYPES, QUALITIES,
+                           GenerationRequest, dtype_name, parse_size, validate_batch)
 
 _DTYPE_CHOICES = sorted({*DTYPES, "fp32", "bf16", "fp16"})
 
@@ -28,8 +29,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="256x256", help="WxH, multiples of 16 (default 256x256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--guidance", type=float, default=3.5)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="preset name (toy, tiny, tiny-schnell, flux-dev-random, "
-                   f"flux-schnell-random) or a local diffusers FLUX.1 folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset name ({', '.join(preset_names())}) or a local "
+                   f"diffusers FLUX.1 / FLUX.1 Kontext folder (default: {DEFAULT_MODEL})")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=_DTYPE_CHOICES,
                    help="default: bfloat16 on cuda, float32 on cpu")
@@ -48,8 +49,14 @@ def _request(args: argparse.Namespace, quality: str) -> GenerationRequest:
     h, w = parse_size(args.size)  # a SizeError is a ValueError: exit status 2 with the reason
     edit: dict = {}
     if getattr(args, "image", None):
-        edit = {"image": Path(args.image).read_bytes(), "strength": args.strength,
+        from model.loading import model_family
+
+        family = model_family(args.model)
+        edit = {"image": Path(args.image).read_bytes(), "strength": family.strength(args.strength),
                 "mask": Path(args.mask).read_bytes() if args.mask else None}
+        error = family.edit_error(args.mask is not None, edit["strength"])
+        if error is not None:
+            raise ValueError(error)
     elif getattr(args, "mask", None):
         raise ValueError("--mask needs --image")
     return GenerationRequest(prompt=args.prompt, height=h, width=w, steps=args.steps, guidance=args.guidance,
@@ -160,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     _common(g)
     g.add_argument("--quality", choices=QUALITIES, default="lossless")
     g.add_argument("--out", required=True, help="PNG file to write")
-    g.add_argument("--image", help="edit this image (image-to-image; resized to --size by diffusers)")
-    g.add_argument("--mask", help="inpaint: white where the image is repainted (needs --image)")
-    g.add_argument("--strength", type=float, default=0.6, help="how far an edit may move from --image, (0, 1]")
+    g.add_argument("--image", help="edit this image (FLUX.1: image-to-image, resized to --size by diffusers; "
+                   "FLUX.1 Kontext: the prompt says what to change)")
+    g.add_argument("--mask", help="inpaint: white where the image is repainted (needs --image; not for Kontext)")
+    g.add_argument("--strength", type=float, default=None,
+                   help=f"how far an edit may move from --image, (0, 1] (default {DEFAULT_STRENGTH}; Kontext: none)")
     g.add_argument("--step-cache", type=float, default=None,
                    help="--quality high only: First-Block step cache threshold in [0, 1) (not bit-exact)")
     v = sub.add_parser("verify", help="reference vs lossless vs high, side by side")

@@ -288,6 +288,14 @@ def trained_sizes(path_or_preset: str | os.PathLike[str]) -> list[str] | None:
     return [str(s) for s in stated] if isinstance(stated, list) and stated else None
 
 
+def model_family(path_or_preset: str | os.PathLike[str]) -> ModelFamily:
+    """The family of a preset or a model folder, from its spec or its model_index.json (nothing is loaded)."""
+    name = str(path_or_preset)
+    if _is_preset(name) and name not in presets.SHIPPED:
+        return presets.preset_family(name)
+    return folder_family(presets.SHIPPED.get(name) if _is_preset(name) else Path(name).expanduser())
+
+
 def check_source(path_or_preset: str | os.PathLike[str]) -> None:
     """Raise ModelLoadError where `load_pipeline` would for a folder, without loading anything (a preset name is
     built or found on first use)."""
@@ -319,7 +327,7 @@ def _in_memory_preset(name: str, device: str | torch.device, dtype: torch.dtype)
     our class (strict: same names) and drop diffusers' copy."""
     components = presets.build_components(name, device, dtype)
     reference = components["transformer"]
-    family = family_of(reference)
+    family = presets.preset_family(name)
     with torch.device(device), presets.default_dtype(dtype):
         ours = family.transformer_class().from_config(reference.config)
     ours.load_state_dict(reference.state_dict(), strict=True)
@@ -336,7 +344,7 @@ def diffusers_reference(pipe: FluxServePipeline) -> Any:
     in-memory preset there is no folder: the reference shares the text encoders, VAE and tokenizers, and gets
     diffusers' transformer holding a copy of our transformer's weights.
     """
-    family = family_of(pipe.transformer)
+    family = family_of(pipe.pipe)
     reference_cls = family.reference_transformer_class()
     if pipe.folder is not None:
         transformer = load_transformer(pipe.folder, pipe.dtype, cls=reference_cls)

@@ -78,8 +78,11 @@ def _sync(device: "torch.device") -> None:
 
 def edit_pipeline(pipe: Any, inpaint: bool) -> Any:
     """The family's image-to-image / inpainting diffusers pipeline sharing `pipe`'s components (built once per
-    pipe)."""
-    cls = family_of(pipe).pipeline_classes()["inpaint" if inpaint else "img2img"]
+    pipe); for a family whose edits take the image as a reference (Kontext), `pipe` itself."""
+    family = family_of(pipe)
+    if family.edits == "reference":
+        return pipe
+    cls = family.pipeline_classes()["inpaint" if inpaint else "img2img"]
     cache = pipe.__dict__.setdefault("_fluxserve_edit_pipelines", {})
     if cls not in cache:
         cache[cls] = cls(**pipe.components)
@@ -126,13 +129,18 @@ def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bo
         return {}
 
     generators = request_generators(requests)
-    edit: dict[str, Any] = {}
+    family = family_of(pipe)
+    edit: dict[str, Any] = family.size_kwargs(first.height, first.width)
     if first.image is not None:
-        # diffusers' own image-to-image / inpainting pipeline over the same components (no weight is copied)
-        source = decode_image(first.image, "image")
-        edit = {"image": [source] * len(requests), "strength": float(first.strength)}
-        if first.mask is not None:
-            edit["mask_image"] = [decode_mask(first.mask)] * len(requests)
+        error = family.edit_error(first.mask is not None, first.strength)
+        if error is not None:
+            raise ValueError(error)
+        # diffusers' own edit pipeline over the same components (no weight is copied)
+        edit["image"] = [decode_image(first.image, "image")] * len(requests)
+        if family.edits == "strength":
+            edit["strength"] = float(first.strength)
+            if first.mask is not None:
+                edit["mask_image"] = [decode_mask(first.mask)] * len(requests)
         pipe = edit_pipeline(pipe, inpaint=first.mask is not None)
     pipe.set_progress_bar_config(disable=not progress, desc=f"{first.quality} {first.width}x{first.height}")
     images = pipe(

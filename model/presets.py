@@ -1,10 +1,11 @@
-"""FLUX.1 presets, offline: random-weight ones built deterministically in code, and a trained one shipped.
+"""FLUX.1 presets (and FLUX.1 Kontext ones), offline: random-weight ones built deterministically in code, and a trained one shipped.
 
 - `tiny` (default) and `tiny-schnell`: every code path of the real pipeline (CLIP + T5 text encoders, guidance
   embedding for `tiny`, none for `tiny-schnell`, a 4-level VAE with 16 latent channels) at toy sizes. Built once on
   the CPU in float32 from a fixed seed, saved in diffusers format under the cache dir (env FLUXSERVE_CACHE, default
   ~/.cache/fluxserve), then loaded through the same `load_pipeline` path as a real checkpoint.
-- `flux-dev-random` / `flux-schnell-random`: the full FLUX.1 architecture (19 + 38 blocks, 3072 hidden, T5-XXL and
+- `tiny-kontext`: `tiny` in FLUX.1 Kontext's pipeline (image-conditioned edits).
+- `flux-dev-random` / `flux-schnell-random` / `flux-kontext-random`: the full FLUX.1 architecture (19 + 38 blocks, 3072 hidden, T5-XXL and
   CLIP-L sized encoders, the FLUX VAE) with random weights, for GPU benchmarks. ~24 GB in bf16, so they are built
   directly on the target device in memory and never written to disk.
 
@@ -29,6 +30,8 @@ from typing import Any, Iterator
 
 import torch
 
+from model.family import ModelFamily, family_of
+
 # Bump when a preset recipe changes: cached folders of older recipes are then ignored, not silently reused.
 PRESET_VERSION = 1
 _COMPLETE_MARKER = ".fluxserve-complete"
@@ -45,6 +48,7 @@ class PresetSpec:
     clip_max_length: int = 77
     t5_max_length: int = 512
     on_disk: bool = True  # False: built in memory on the target device (too big to round-trip through disk)
+    pipeline: str = "FluxPipeline"  # the diffusers pipeline class (model_index.json's `_class_name`): the family
     seed: int = 0
     notes: str = field(default="", compare=False)
 
@@ -88,6 +92,12 @@ PRESETS: dict[str, PresetSpec] = {
     "flux-schnell-random": PresetSpec("flux-schnell-random", {**_FULL_TRANSFORMER, "guidance_embeds": False},
                                       _FULL_CLIP, _FULL_T5, _FULL_VAE, _SCHNELL_SCHEDULER, t5_max_length=256,
                                       on_disk=False, notes="FLUX.1-schnell architecture, random weights"),
+    "tiny-kontext": PresetSpec("tiny-kontext", _TINY_TRANSFORMER, _TINY_CLIP, _TINY_T5, _TINY_VAE, _DEV_SCHEDULER,
+                               t5_max_length=32, pipeline="FluxKontextPipeline",
+                               notes="FLUX.1 Kontext-like toy: tiny's architecture in FluxKontextPipeline"),
+    "flux-kontext-random": PresetSpec("flux-kontext-random", _FULL_TRANSFORMER, _FULL_CLIP, _FULL_T5, _FULL_VAE,
+                                      _DEV_SCHEDULER, on_disk=False, pipeline="FluxKontextPipeline",
+                                      notes="FLUX.1 Kontext [dev] architecture, random weights"),
 }
 
 
@@ -98,6 +108,11 @@ SHIPPED: dict[str, Path] = {"toy": Path(__file__).resolve().parent / "toy" / "fl
 
 def preset_names() -> list[str]:
     return [*PRESETS, *SHIPPED]
+
+
+def preset_family(name: str) -> ModelFamily:
+    """The model family of random-weights preset `name` (torch-free: nothing is built)."""
+    return family_of(_spec(name).pipeline)
 
 
 def preset_folder(name: str) -> Path | None:
@@ -173,13 +188,12 @@ def build_components(name: str, device: str | torch.device = "cpu", dtype: torch
 
 def save_preset(name: str, dest: str | os.PathLike[str]) -> Path:
     """Build preset `name` on the CPU in float32 and save it in diffusers format to `dest` (must not exist)."""
-    from diffusers import FluxPipeline
-
     spec = _spec(name)
     if not spec.on_disk:
         raise ValueError(f"preset {name!r} is built in memory only (too large to cache on disk)")
     dest = Path(dest)
-    FluxPipeline(**build_components(name, "cpu", torch.float32)).save_pretrained(dest, safe_serialization=True)
+    pipeline = family_of(spec.pipeline).pipeline_classes()["text"]
+    pipeline(**build_components(name, "cpu", torch.float32)).save_pretrained(dest, safe_serialization=True)
     return dest
 
 

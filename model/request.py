@@ -30,6 +30,8 @@ _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_MODEL = "toy"
 DEFAULT_STEPS = 16
 DEFAULT_PROMPT = "a large blue triangle in the center, a small yellow circle at the top left, on a black background"
+# How far an image-to-image edit may go from its input when a request does not say (diffusers' `strength`).
+DEFAULT_STRENGTH = 0.6
 SIZE_MULTIPLE = 16  # FLUX packs 2x2 latent patches of the 8x VAE: pixel sides are multiples of 16
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes 64-bit seeds; we keep them signed for JSON clients
 _SIZE_RE = re.compile(r"^([0-9]{1,6})x([0-9]{1,6})$")
@@ -88,7 +90,7 @@ class GenerationRequest:
     # inpainting, and how far from the input the result may go (diffusers' `strength`). None: text-to-image.
     image: bytes | None = field(default=None, repr=False)
     mask: bytes | None = field(default=None, repr=False)
-    strength: float = 0.6
+    strength: float = DEFAULT_STRENGTH
     # First-Block step cache threshold for this image (quality "high" only; `step_cache_error` says what is valid):
     # None takes the pool's setting, 0 computes every step.
     step_cache: float | None = None

@@ -3,6 +3,7 @@
 - `gpu` marker: tests marked `@pytest.mark.gpu` are skipped when CUDA is absent.
 - `tiny_path`: the tiny preset, built once per session into a temporary FLUXSERVE_CACHE.
 - `tiny_pipe`: a FluxServePipeline loaded from `tiny_path` (CPU, float32), shared by the session.
+- `kontext_path`: the tiny-kontext preset (FLUX.1 Kontext's pipeline), built once per session.
 
 Heavy imports (torch, diffusers) stay inside the fixtures/hooks so collecting a test file that needs none of
 them stays cheap.
@@ -65,6 +66,14 @@ def tiny_path(fluxserve_cache: Path) -> Path:
     from model.presets import ensure_preset
 
     return ensure_preset("tiny", cache_dir=fluxserve_cache)
+
+
+@pytest.fixture(scope="session")
+def kontext_path(fluxserve_cache: Path) -> Path:
+    """Folder of the tiny-kontext preset (FluxKontextPipeline, diffusers format), built once per session."""
+    from model.presets import ensure_preset
+
+    return ensure_preset("tiny-kontext", cache_dir=fluxserve_cache)
 
 
 @pytest.fixture(scope="session")

@@ -28,10 +28,11 @@ def test_a_model_is_found_by_its_class_names_and_an_unknown_one_is_refused() -> 
     assert family_of("FluxPipeline") is FAMILY and family_of(FluxTransformer(**SMALL)) is FAMILY
     assert FAMILY.transformer_class() is FluxTransformer and FAMILY.reference_transformer_class() is FluxTransformer2DModel
     assert FAMILY.pipeline_classes()["text"] is FluxPipeline and FAMILY.pipeline_classes()["img2img"] is FluxImg2ImgPipeline
-    assert families() == [FAMILY]
+    assert [f.name for f in families()] == ["flux1", "flux1-kontext"] and families()[0] is FAMILY
     with pytest.raises(ValueError) as exc:
         family_of("Flux2Pipeline")
-    assert str(exc.value) == "no model family for 'Flux2Pipeline'; fluxserve serves ['FluxPipeline']"
+    assert str(exc.value) == ("no model family for 'Flux2Pipeline'; fluxserve serves ['FluxKontextPipeline', "
+                              "'FluxPipeline']")
 
 
 def test_a_folder_of_another_family_is_a_load_error_naming_it(tiny_path: Path, tmp_path: Path) -> None:
