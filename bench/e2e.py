@@ -1,4 +1,4 @@
-"""End-to-end FLUX.1 benchmark on one GPU: stock diffusers vs our lossless tier vs our high tier.
+"""End-to-end FLUX.1 (or FLUX.1 Kontext) benchmark on one GPU: stock diffusers vs our lossless tier vs our high tier.
 
 Same weights for all three (default: the flux-dev-random preset, FLUX.1-dev architecture, random bf16 weights built
 on the GPU), same process, same request. Every timed call goes prompt -> PNG bytes through the same harness
@@ -16,6 +16,7 @@ PSNR/SSIM of high vs lossless; with --cuda-graphs, lossless+graphs equal to diff
   python bench/e2e.py --cuda-graphs                     # adds lossless+graphs, high+graphs: CUDA-graph steps
   python bench/e2e.py --high-default                    # adds high_default: the high pool's default set
   python bench/e2e.py --high-default --cuda-graphs      # ... and high_default_graphs: the same, CUDA-graph steps
+  python bench/e2e.py --model flux-kontext-random --edit --high-default --cuda-graphs   # FLUX.1 Kontext edits
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model.loading import diffusers_reference, load_pipeline  # noqa: E402
+from model.loading import diffusers_reference, load_pipeline, model_family  # noqa: E402
 from model.metrics import psnr, ssim  # noqa: E402
 from model.pipeline import FluxServePipeline, GenerationRequest, md5, run_flux_pipeline  # noqa: E402
 from model.features import HIGH_DEFAULTS  # noqa: E402
@@ -56,18 +57,28 @@ def sdpa_backend(batch: int, heads: int, tokens: int, head_dim: int, dtype: torc
         return f"unknown ({type(exc).__name__}: {exc})"
 
 
+def edit_image(size: int, seed: int) -> bytes:
+    """A smooth seeded size x size picture (low-frequency colour fields, PNG bytes) as an edit's input."""
+    from model.request import png_bytes
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(1, 3, 8, 8, generator=g)
+    field = torch.nn.functional.interpolate(coarse, size=(size, size), mode="bicubic", align_corners=False)
+    pixels = (field.clamp(0, 1)[0].permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+    return png_bytes(Image.fromarray(pixels))
+
+
 def pipeline_copy(ours: FluxServePipeline) -> FluxServePipeline:
     """A pipeline over a copy of ours' transformer (text encoders and VAE shared, a scheduler of its own), to convert
     the way a high replica converts at start; it then serves high only. The copy's modules are new but hold ours'
     weight tensors, which the conversion replaces rather than changes: only the converted layers take new memory
     (three full-size bf16 transformers do not fit an 80 GB card)."""
-    from diffusers import FluxPipeline
-
     t = ours.transformer
     components = dict(ours.pipe.components)
     components["transformer"] = copy.deepcopy(t, memo={id(w): w for w in (*t.parameters(), *t.buffers())})
     components["scheduler"] = type(ours.pipe.scheduler).from_config(ours.pipe.scheduler.config)
-    return FluxServePipeline(FluxPipeline(**components), source=ours.source)
+    return FluxServePipeline(type(ours.pipe)(**components), source=ours.source)
 
 
 def _sync() -> None:
@@ -89,9 +100,11 @@ OPTIONAL_HIGH_VARIANTS = ("high_compiled", "high_fast_norm", "high_default", "hi
 
 def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.Namespace,
               high_pool: FluxServePipeline | None = None) -> dict[str, Any]:
+    edit = {} if args.edit_image is None else {"image": args.edit_image, "strength": args.edit_strength}
+
     def req(quality: str) -> GenerationRequest:
         return GenerationRequest(prompt=args.prompt, height=size, width=size, steps=steps, guidance=args.guidance,
-                                 seed=args.seed, quality=quality)
+                                 seed=args.seed, quality=quality, **edit)
 
     variants: dict[str, Callable[[], tuple[torch.Tensor, bytes, int]]] = {
         "baseline": lambda: (lambda lat, png: (lat[0], png[0], 0))(*run_flux_pipeline(reference, [req("lossless")])),
@@ -202,8 +215,10 @@ def run_steps(ours: Any, reference: Any, steps: int, size: int, args: argparse.N
 
 def write_markdown(path: Path, result: dict[str, Any]) -> None:
     lines = [
-        f"# End-to-end FLUX.1 on {result['gpu']}",
+        f"# End-to-end {'FLUX.1 Kontext' if result['family'] == 'flux1-kontext' else 'FLUX.1'} on {result['gpu']}",
         "",
+        (f"An edit of a {result['size']}x{result['size']} input image (strength {result['edit_strength']}). "
+         if result["edit"] else "") +
         f"Model `{result['model']}` ({result['dtype']}), prompt -> PNG bytes, batch 1, median of "
         f"{result['repeats']} repeats after {result['warmup']} warm-up run(s) per variant, variants interleaved. "
         f"torch {result['torch']}, diffusers {result['diffusers']}, SDPA backend {result['sdpa_backend']}.",
@@ -303,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="also time lossless and high with CUDA-graph replay of each step (lossless+graphs, "
                          "high+graphs)")
+    ap.add_argument("--edit", action="store_true",
+                    help="time an edit of a --size x --size input image (a smooth seeded picture): FLUX.1 Kontext "
+                         "conditions every step on it; FLUX.1 runs image-to-image at its default strength")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only to dry-run the script")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "e2e-h200.json"))
     ap.add_argument("--md", default=None, help="markdown summary (default: --out with .md)")
@@ -313,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     command = "python bench/e2e.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
 
+    args.edit_image = edit_image(args.size, args.seed) if args.edit else None
+    args.edit_strength = model_family(args.model).strength(None)
     build_s, ours = timed(lambda: load_pipeline(args.model, device=args.device, dtype=dtype))
     ref_build_s, reference = timed(lambda: diffusers_reference(ours))
     gib = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
@@ -320,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     cfg = ours.transformer.config
     text_tokens = min(512, ours.pipe.tokenizer_2.model_max_length)
-    tokens = (args.size // 16) ** 2 + text_tokens
+    # a Kontext edit's input image adds its own latent tokens (Kontext resizes a square one to 1024x1024)
+    image_tokens = (1024 // 16) ** 2 if args.edit and model_family(args.model).edits == "reference" else 0
+    tokens = (args.size // 16) ** 2 + image_tokens + text_tokens
     backend = (sdpa_backend(1, cfg.num_attention_heads, tokens, cfg.attention_head_dim, dtype)
                if args.device.startswith("cuda") else "cpu")
 
@@ -346,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {**{k: v for k, v in runs[0].items() if k not in ("png_md5", "times_s")},
                               "sdpa_backend": backend, "torch": torch.__version__}
     result.update(
-        runs=runs, model=args.model, dtype=args.dtype, repeats=args.repeats, warmup=args.warmup,
+        runs=runs, model=args.model, family=model_family(args.model).name, edit=args.edit,
+        edit_strength=args.edit_strength if args.edit else None, dtype=args.dtype, repeats=args.repeats,
+        warmup=args.warmup,
         gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
         diffusers=diffusers.__version__, python=platform.python_version(),
         build_s=build_s, reference_build_s=ref_build_s, command=command, json=str(args.out),

@@ -154,3 +154,42 @@ def test_the_edit_schema_applies_the_familys_rules(kontext_path: Path) -> None:
         with pytest.raises(BadRequest) as exc:
             validate_edit({"prompt": PROMPT, **fields}, {**files, **extra}, args, "m", family=kontext)
         assert exc.value.param == param and exc.value.message.startswith(message)
+
+
+def _tp_rank(rank: int, port: int, folder: str, outdir: str) -> None:
+    from tests.test_tp import GROUP_TIMEOUT_S, WORLD, report_rank
+
+    def body(res: dict) -> None:
+        from model.form import ServingForm
+        from model.loading import diffusers_reference
+        from model.pipeline import run_flux_pipeline
+        from tp.shard import shard_transformer
+        from tp.worker import TPWorker
+
+        torch.set_num_threads(1)  # two ranks on two cores
+        worker = TPWorker(rank, WORLD, ServingForm(folder, device="cpu", dtype="float32"), port=port, backend="gloo",
+                          timeout_s=GROUP_TIMEOUT_S)
+        worker.setup()
+        batch = [_req(11, image=random_png(7), strength=1.0)]
+        res["ours"] = worker.generate(batch)
+        reference = diffusers_reference(worker.pipe)  # diffusers' own Kontext pipeline and transformer, sharded alike
+        shard_transformer(reference.transformer, rank, WORLD, worker.group)
+        res["stock"] = run_flux_pipeline(reference, batch)
+
+    report_rank(rank, outdir, body)
+
+
+def test_kontext_edits_at_tp2_equal_stock_diffusers_sharded_alike_and_match_tp1(ours, kontext_path: Path,
+                                                                                 tmp_path: Path) -> None:
+    """A tp 2 replica serves Kontext like a tp 1 one: the same family code under the same TP plan (heads and the
+    parallel FF over gloo), byte-identical to stock diffusers sharded the same way, close to the tp 1 image."""
+    from model.metrics import psnr
+    from tests.test_tp import JOIN_TIMEOUT_S, PSNR_MIN_DB, WORLD, spawn_ranks
+
+    run = spawn_ranks(_tp_rank, WORLD, kontext_path, tmp_path, JOIN_TIMEOUT_S)
+    (got,), (latents, pngs) = run[0]["ours"], run[0]["stock"]
+    assert run[1]["ours"] is None  # rank 0 answers
+    assert torch.equal(got.latents, latents[0]) and got.png == pngs[0]
+    tp1 = ours.generate([_req(11, image=random_png(7), strength=1.0)])[0]
+    torch.testing.assert_close(got.latents, tp1.latents, rtol=1e-4, atol=1e-4)  # sharded sums round differently
+    assert psnr(_pixels(got.png), _pixels(tp1.png)) >= PSNR_MIN_DB

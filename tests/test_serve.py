@@ -248,6 +248,38 @@ def test_sigterm_stops_the_demo_and_leaves_nothing_running(fluxserve_cache: Path
 # --------------------------------------------------------------------------------------------------
 
 
+def test_kontext_edits_through_the_openai_client_equal_the_pipeline(serve_app: dict, kontext_path: Path) -> None:
+    """An app serving FLUX.1 Kontext (tiny-kontext): `/v1/models` says how it edits; `client.images.edit` with the
+    model named answers the Kontext pipeline's bytes; a mask or a strength is a 400 with the reason."""
+    openai = pytest.importorskip("openai")
+    import torch
+
+    from model.loading import load_pipeline
+    from model.pipeline import GenerationRequest
+    from tests._inputs import random_png
+
+    with _side_app(serve_app, "kontext", model=str(kontext_path)) as app:
+        model = requests.get(app["url"] + "/v1/models", timeout=10).json()["data"][0]
+        assert (model["id"], model["family"], model["edits"]) == ("flux-tiny-kontext-v1", "flux1-kontext", "reference")
+        client = openai.OpenAI(base_url=app["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+        image = random_png(1)
+        res = client.images.edit(image=("in.png", image, "image/png"), prompt="make the fox red", model=model["id"],
+                                 extra_body={"seed": 3, "steps": 2})
+        pipe = load_pipeline(str(kontext_path), device="cpu", dtype=torch.float32)
+        assert base64.b64decode(res.data[0].b64_json) == _direct(pipe, GenerationRequest(
+            "make the fox red", height=64, width=64, steps=2, seed=3, image=image, strength=1.0))
+        for extra, param, message in (({"mask": ("m.png", random_png(2, mask=True), "image/png")}, "mask",
+                                       "FLUX.1 Kontext edits by instruction from the whole image: it takes no mask"),
+                                      ({"data": {"strength": "0.5"}}, "strength",
+                                       "strength does not apply to FLUX.1 Kontext")):
+            files = {"image": ("in.png", image, "image/png"), **{k: v for k, v in extra.items() if k == "mask"}}
+            r = requests.post(app["url"] + "/v1/images/edits", files=files,
+                              data={"prompt": "a", **extra.get("data", {})}, timeout=30)
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == param and error["message"].startswith(message), r.text
+        assert '"edits": "reference"' in requests.get(app["url"] + "/", timeout=10).text  # the page hides mask, strength
+
+
 @pytest.fixture(scope="session")
 def serve_app(tiny_path: Path, tiny_pipe: Any):
     rt = tempfile.mkdtemp(prefix="rt", dir="/tmp")
