@@ -193,3 +193,40 @@ def test_kontext_edits_at_tp2_equal_stock_diffusers_sharded_alike_and_match_tp1(
     tp1 = ours.generate([_req(11, image=random_png(7), strength=1.0)])[0]
     torch.testing.assert_close(got.latents, tp1.latents, rtol=1e-4, atol=1e-4)  # sharded sums round differently
     assert psnr(_pixels(got.png), _pixels(tp1.png)) >= PSNR_MIN_DB
+
+
+@pytest.mark.gpu
+def test_gpu_kontext_lossless_equals_stock_and_high_runs_the_served_set(kontext_path: Path) -> None:
+    """On CUDA in bf16: a lossless Kontext edit equals the stock pipeline's (latents, PNG md5); the high tier as a
+    high replica serves it (converted: fused projections, fp8 where it runs; fast norms, 8-bit attention; CUDA
+    graphs) switches its kernels on for Kontext's longer sequence (noisy + image tokens) and stays close."""
+    from diffusers import FluxKontextPipeline, FluxPipeline
+
+    from model.loading import load_pipeline
+    from model.metrics import psnr, ssim
+    from model.pipeline import md5
+
+    lossless = load_pipeline(str(kontext_path), device="cuda", dtype=torch.bfloat16)
+    stock = FluxKontextPipeline.from_pretrained(str(kontext_path), torch_dtype=torch.bfloat16).to("cuda")
+    stock.set_progress_bar_config(disable=True)
+    image = random_png(7, (128, 128))
+    req = lambda q: _req(11, q, 128, 128, image=image, strength=1.0)  # noqa: E731
+    got = lossless.generate([req("lossless")])[0]
+    user = {"image": Image.open(io.BytesIO(image)), "prompt": PROMPT, "height": 128, "width": 128,
+            "max_area": 128 * 128, "num_inference_steps": STEPS, "guidance_scale": 3.5, "max_sequence_length": 32}
+    packed = stock(**user, generator=torch.Generator().manual_seed(11), output_type="latent").images
+    pil = stock(**user, generator=torch.Generator().manual_seed(11)).images[0]
+    assert torch.equal(got.latents, FluxPipeline._unpack_latents(packed, 128, 128, 8)[0].cpu())
+    from model.request import png_bytes
+
+    assert md5(got.png) == md5(png_bytes(pil))
+    del stock
+    high = load_pipeline(str(kontext_path), device="cuda", dtype=torch.bfloat16)
+    high.take_high_defaults()
+    high.enable_cuda_graphs()
+    first, again = (high.generate([req("high")])[0] for _ in range(2))
+    ran = again.ran
+    assert ran.fast_norm_sites > 0 and ran.graphed and (ran.fp8_layers > 0 or high.fp8_refusal() is not None), ran
+    assert torch.equal(first.latents, again.latents)  # graph replay changes no bit
+    assert ssim(again.png, got.png) > 0.9
+    print(f"tiny-kontext high vs lossless: PSNR {psnr(again.png, got.png):.2f} dB, SSIM {ssim(again.png, got.png):.4f}")
