@@ -363,6 +363,49 @@ class FluxServePipeline:
             if self.loras:
                 self.pipe.disable_lora()
 
+    def add_lora(self, name: str, path: str) -> list[str]:
+        """Load one more adapter while serving (the runtime adapter API), inactive until a batch names it: diffusers'
+        loader on a skeleton, its layers then moved into the served transformer, sharded or not (model/adapters.py).
+        Returns the layers it reaches (a TP rank shards the adapter there). Not on a converted transformer, like
+        `load_loras`."""
+        from model.adapters import load_adapter
+
+        if self.fp8 or self.fused_projections or self.fused_lora is not None:
+            raise ValueError("adapters cannot be added to a converted transformer or one with a fused adapter")
+        if name in self.loras:
+            raise ValueError(f"adapter {name!r} is loaded already; unload it first")
+        with self._lock:
+            reached = load_adapter(self.pipe, name, path)
+            self.form = replace(self.form, loras=(*self.form.loras, (name, str(path))))
+            self.pipe.disable_lora()
+        return reached
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter (loaded at start or since), freeing its tensors; batches naming it are then refused."""
+        from model.adapters import unload_adapter
+
+        if name not in self.loras:
+            raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.loras)}")
+        with self._lock:
+            unload_adapter(self.pipe, name)
+            self.form = replace(self.form, loras=tuple(x for x in self.form.loras if x[0] != name))
+
+    def sync_loras(self, wanted: dict[str, str],
+                   added: Callable[[str, list[str]], None] | None = None) -> dict[str, list[str]]:
+        """Make the loaded adapters exactly `wanted` (name -> file): unload the others and those whose file changed,
+        load the missing. `added(name, layers)` after each load (a TP rank shards the new adapter there). Returns
+        the names added and removed."""
+        loaded = self.loras
+        removed = [n for n, f in loaded.items() if wanted.get(n) != f]
+        for name in removed:
+            self.remove_lora(name)
+        new = [n for n in wanted if n not in self.loras]
+        for name in new:
+            layers = self.add_lora(name, wanted[name])
+            if added is not None:
+                added(name, layers)
+        return {"added": new, "removed": removed}
+
     def fuse_lora(self, name: str, scale: float = 1.0) -> None:
         """Fuse one loaded adapter into the weights for good (diffusers' fuse_lora, then unload_lora_weights): no
         adapter layers remain, so a step costs what the base model's does, and the high-tier conversion may follow.

@@ -67,10 +67,29 @@ def _shard_adapted(layer: nn.Module, parallel: Column | Row) -> nn.Module:
     if layer.merged or any(layer.lora_variant.get(n) is not None for n in layer.lora_A):
         raise TypeError("cannot shard a LoRA layer with merged weights or an adapter variant (e.g. DoRA)")
     layer.base_layer = _shard(layer.base_layer, parallel)
-    sharded_side = layer.lora_B if isinstance(parallel, Column) else layer.lora_A
-    for name in list(sharded_side.keys()):
-        sharded_side[name] = _shard(sharded_side[name], parallel)
+    _shard_adapter_side(layer, parallel, list(layer.lora_A.keys()))
     return layer
+
+
+def _shard_adapter_side(layer: nn.Module, parallel: Column | Row, names: list[str]) -> None:
+    """Column-parallel: B of each named adapter keeps this rank's output rows; row-parallel: A its input columns."""
+    sharded_side = layer.lora_B if isinstance(parallel, Column) else layer.lora_A
+    for name in names:
+        sharded_side[name] = _shard(sharded_side[name], parallel)
+
+
+def shard_adapter(model: nn.Module, name: str, layers: list[str]) -> None:
+    """Shard adapter `name`, added to a sharded model while it serves (`model.adapters.load_adapter`, which returned
+    `layers`), as `_shard_adapted` shards one loaded before sharding: by each layer's base, whose parallel style
+    (and blocks) the sharding recorded. A layer whose base stayed replicated keeps the adapter whole."""
+    if tp_info(model) is None:
+        return
+    with torch.no_grad():
+        for path in layers:
+            layer = model.get_submodule(path)
+            base = layer.get_base_layer()
+            if isinstance(base, Linear) and isinstance(base.parallel, (Column, Row)) and base.parallel.world > 1:
+                _shard_adapter_side(layer, base.parallel, [name])
 
 
 def shard_transformer(model: nn.Module, rank: int, world_size: int, group: dist.ProcessGroup | None = None

@@ -27,7 +27,7 @@ from model.form import ServingForm
 from model.request import GenerationRequest
 
 from .dist import DEFAULT_PORT, DEFAULT_TIMEOUT_S, default_backend, init_tp, shutdown_tp
-from .shard import agree_all_ranks, check_replicas_identical, shard_transformer
+from .shard import agree_all_ranks, check_replicas_identical, shard_adapter, shard_transformer
 
 class TPWorker:
     """One rank: `form` is what every rank of the replica builds (model.build.build_pipeline), then shards."""
@@ -118,6 +118,14 @@ class TPWorker:
         results = self.pipe.generate(list(requests), should_stop=self._should_stop,
                                      agree=self._agree, previews=previews)
         return results if self.rank == 0 else None
+
+    def sync_loras(self, wanted: dict[str, str]) -> dict[str, list[str]]:
+        """The loaded adapters made exactly `wanted` (SPMD: every rank gets the same call between batches); an
+        adapter loaded now is sharded as those loaded before sharding are."""
+        if self.pipe is None:
+            raise RuntimeError("TPWorker.setup() has not run")
+        return self.pipe.sync_loras(wanted, added=lambda name, layers: shard_adapter(self.pipe.transformer, name,
+                                                                                     layers))
 
     def _agree(self, ok: bool) -> bool:
         """This rank's verdict agreed over the control group (every rank or none), for the pipeline's hooks."""

@@ -1,0 +1,89 @@
+"""LoRA adapters loaded and unloaded while a pipeline serves (the runtime adapter API), on any transformer it serves:
+unsharded or a TP rank's shard.
+
+diffusers' loader (and PEFT under it) only wraps plain `nn.Linear` layers, and a served transformer may hold sharded
+`model.linear.Linear` layers. So an adapter is loaded by diffusers itself, with the pipeline's own
+`load_lora_weights` (same conversion of the file's format, same PEFT config, same text-encoder part), into a
+skeleton of the transformer (its architecture, no weights: `_skeleton`), and its per-adapter entries are then moved
+into the served transformer's layers: into the PEFT layer already there (an adapter loaded at start wrapped it), or
+the skeleton's PEFT layer itself, put around the served base layer. The adapter's tensors end on the base layer's
+device and dtype, as PEFT puts them. A TP rank then shards the new adapter (`tp.shard.shard_adapter`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _is_peft_layer(module: nn.Module) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return isinstance(module, BaseTunerLayer)
+
+
+def _skeleton(served: nn.Module) -> nn.Module:
+    """The served transformer's architecture with no weights: a meta-device model whose linear layers hold a
+    broadcast zero (no memory) on the served device and dtype, so PEFT makes and places an adapter's tensors there as
+    it does for the served model itself."""
+    weight = next(served.parameters())
+    zero = torch.zeros((), device=weight.device, dtype=served.dtype)
+    with torch.device("meta"):
+        skeleton = type(served).from_config(served.config)
+    for layer in skeleton.modules():
+        if type(layer) is nn.Linear:
+            layer.weight = nn.Parameter(zero.expand(layer.out_features, layer.in_features), requires_grad=False)
+            if layer.bias is not None:
+                layer.bias = nn.Parameter(zero.expand(layer.out_features), requires_grad=False)
+    return skeleton
+
+
+def _move_entries(src: nn.Module, dst: nn.Module, name: str) -> None:
+    """Every per-adapter entry of `name` in PEFT layer `src` (its ModuleDicts, ParameterDicts and plain dicts:
+    A, B, r, alpha, scaling, dropout, variants) into PEFT layer `dst`."""
+    for attr, value in {**src.__dict__, **src._modules}.items():
+        if attr.startswith("_") or not isinstance(value, (dict, nn.ModuleDict, nn.ParameterDict)):
+            continue
+        if name in value:
+            getattr(dst, attr)[name] = value[name]
+
+
+def load_adapter(pipe: Any, name: str, path: str) -> list[str]:
+    """Load adapter file `path` as `name` into diffusers pipeline `pipe` while it serves. Returns the module paths of
+    the transformer's layers the adapter now reaches (a TP rank shards those)."""
+    served = pipe.transformer
+    skeleton = _skeleton(served)
+    pipe.transformer = skeleton
+    try:
+        # the text-encoder part, if any, goes into the pipeline's real text encoders
+        pipe.load_lora_weights(str(path), adapter_name=name)
+    finally:
+        pipe.transformer = served
+    reached = []
+    for path_, layer in skeleton.named_modules():
+        if not _is_peft_layer(layer) or name not in getattr(layer, "lora_A", {}):
+            continue
+        parent_name, _, attr = path_.rpartition(".")
+        parent = served.get_submodule(parent_name) if parent_name else served
+        target = getattr(parent, attr)
+        if _is_peft_layer(target):
+            _move_entries(layer, target, name)
+        else:  # the skeleton's PEFT layer around the served base layer
+            layer.base_layer = target
+            setattr(parent, attr, layer)
+            target = layer
+        target._move_adapter_to_device_of_base_layer(name)
+        reached.append(path_)
+    if not reached:
+        raise ValueError(f"adapter file {path} has no layer of this transformer")
+    served.peft_config = {**getattr(served, "peft_config", {}), name: skeleton.peft_config[name]}
+    served._hf_peft_config_loaded = True
+    return reached
+
+
+def unload_adapter(pipe: Any, name: str) -> None:
+    """Remove adapter `name` from every component of `pipe` (its layers' entries and configs; diffusers' own
+    `delete_adapters`), freeing its tensors."""
+    pipe.delete_adapters([name])

@@ -1,0 +1,152 @@
+"""LoRA adapters loaded and unloaded while a pipeline serves (model/adapters.py, `FluxServePipeline.add_lora /
+remove_lora / sync_loras`), unsharded and on TP ranks: an adapter loaded at runtime computes exactly what the same
+adapter loaded at start does (`torch.equal`), so lossless stays byte-identical to stock diffusers with it; removing
+one frees its layers and leaves the others exact. (The HTTP API: tests/test_serve.py, `-k runtime_adapters`.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from model.loading import load_pipeline  # noqa: E402
+from model.pipeline import GenerationRequest  # noqa: E402
+from tests._inputs import write_random_lora  # noqa: E402
+
+SETS = ((("fog", 0.7),), (("ink", 0.5), ("fog", 1.0)), (("ink", 1.0),), ())
+
+
+def _req(loras: tuple = (), seed: int = 5) -> GenerationRequest:
+    return GenerationRequest("a red fox", height=64, width=64, steps=2, seed=seed, loras=loras)
+
+
+@pytest.fixture(scope="module")
+def files(tiny_path: Path, tmp_path_factory) -> dict[str, str]:
+    """Two adapters of different ranks over partly different layers (fog also reaches the GELU up-projection, which
+    ink does not: loaded at runtime, fog wraps layers no adapter wrapped yet and joins ink's PEFT layers)."""
+    d = tmp_path_factory.mktemp("runtime-loras")
+    t = load_pipeline(str(tiny_path)).transformer
+    return {"ink": str(write_random_lora(t, d / "ink.safetensors", 1)),
+            "fog": str(write_random_lora(t, d / "fog.safetensors", 2, rank=8,
+                                         targets=("attn.to_k", "ff.net.0.proj", "proj_out", "norm1.linear")))}
+
+
+@pytest.fixture(scope="module")
+def at_start(tiny_path: Path, files: dict[str, str]):
+    pipe = load_pipeline(str(tiny_path))
+    pipe.load_loras(files)
+    return pipe
+
+
+def _lora_layers(pipe, name: str) -> list[str]:
+    return sorted(n for n, m in pipe.transformer.named_modules() if name in getattr(m, "lora_A", {}))
+
+
+def test_an_adapter_loaded_while_serving_computes_what_one_loaded_at_start_does(
+        tiny_path: Path, files: dict[str, str], at_start) -> None:
+    pipe = load_pipeline(str(tiny_path))
+    pipe.load_loras({"ink": files["ink"]})
+    reached = pipe.add_lora("fog", files["fog"])
+    assert sorted(reached) == _lora_layers(at_start, "fog") == _lora_layers(pipe, "fog")
+    assert "transformer_blocks.0.ff.net.0.proj" in reached and "transformer_blocks.0.norm1.linear" in reached
+    assert pipe.loras == files and pipe.form.techniques() >= {"lora"}
+    for loras in SETS:
+        got, want = pipe.generate([_req(loras)])[0], at_start.generate([_req(loras)])[0]
+        assert torch.equal(got.latents, want.latents) and got.png == want.png, loras
+    # the adapter's tensors are where PEFT puts them for a served model: the base layer's device and dtype
+    layer = pipe.transformer.get_submodule("transformer_blocks.0.attn.to_k")
+    assert layer.lora_A["fog"].weight.device.type == "cpu" and layer.lora_A["fog"].weight.dtype == torch.float32
+
+
+def test_removing_an_adapter_frees_its_layers_and_leaves_the_others_exact(
+        tiny_path: Path, files: dict[str, str], at_start) -> None:
+    pipe = load_pipeline(str(tiny_path))
+    pipe.sync_loras(files)
+    assert pipe.sync_loras(files) == {"added": [], "removed": []}  # nothing to do
+    assert pipe.sync_loras({"ink": files["ink"]}) == {"added": [], "removed": ["fog"]}
+    assert _lora_layers(pipe, "fog") == [] and "fog" not in pipe.transformer.peft_config
+    got, want = pipe.generate([_req((("ink", 0.5),))])[0], at_start.generate([_req((("ink", 0.5),))])[0]
+    assert torch.equal(got.latents, want.latents)
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        pipe.generate([_req((("fog", 1.0),))])
+    # the same name from another file is a reload, not a stale copy
+    assert pipe.sync_loras({"ink": files["fog"]}) == {"added": ["ink"], "removed": ["ink"]}
+    got = pipe.generate([_req((("ink", 0.7),))])[0]
+    assert torch.equal(got.latents, at_start.generate([_req((("fog", 0.7),))])[0].latents)
+
+
+def test_runtime_adapters_are_refused_on_a_converted_or_fused_transformer(tiny_path: Path,
+                                                                          files: dict[str, str]) -> None:
+    fused = load_pipeline(str(tiny_path))
+    fused.load_loras({"ink": files["ink"]})
+    fused.fuse_lora("ink")
+    with pytest.raises(ValueError, match="converted transformer or one with a fused adapter"):
+        fused.add_lora("fog", files["fog"])
+    pipe = load_pipeline(str(tiny_path))
+    pipe.add_lora("fog", files["fog"])
+    with pytest.raises(ValueError, match="loaded already"):
+        pipe.add_lora("fog", files["ink"])
+    with pytest.raises(ValueError, match="no_such_block"):  # diffusers says which layers it did not find
+        pipe.add_lora("other", str(_foreign_lora(Path(files["ink"]).parent)))
+    assert pipe.loras == {"fog": files["fog"]}
+
+
+def _foreign_lora(folder: Path) -> Path:
+    """An adapter for layers this transformer does not have."""
+    from safetensors.torch import save_file
+
+    path = folder / "foreign.safetensors"
+    save_file({"transformer.no_such_block.proj.lora_A.weight": torch.ones(2, 8),
+               "transformer.no_such_block.proj.lora_B.weight": torch.ones(8, 2)}, str(path))
+    return path
+
+
+def _tp_rank(rank: int, port: int, folder: str, outdir: str) -> None:
+    from tests.test_tp import GROUP_TIMEOUT_S, WORLD, report_rank
+
+    def body(res: dict) -> None:
+        import json
+
+        from model.build import build_pipeline
+        from model.form import ServingForm
+        from tp.shard import shard_transformer
+        from tp.worker import TPWorker
+
+        torch.set_num_threads(1)
+        files = json.loads((Path(outdir) / "files.json").read_text())
+        worker = TPWorker(rank, WORLD, ServingForm(folder, loras=(("ink", files["ink"]),)), port=port,
+                          backend="gloo", timeout_s=GROUP_TIMEOUT_S)
+        worker.setup()
+        res["sync"] = worker.sync_loras(files)
+        res["runtime"] = {loras: worker.generate([_req(loras)]) for loras in SETS}
+        start = build_pipeline(ServingForm(folder, loras=tuple(files.items())),
+                               shard=lambda t: shard_transformer(t, rank, WORLD, worker.group))
+        res["start"] = {loras: start.generate([_req(loras)]) for loras in SETS}
+        res["unsync"] = worker.sync_loras({"fog": files["fog"]})
+        res["fog_only"] = worker.generate([_req((("fog", 0.7),))])
+
+    report_rank(rank, outdir, body)
+
+
+def test_tp2_ranks_load_and_unload_an_adapter_while_serving_as_they_do_at_start(
+        tiny_path: Path, files: dict[str, str], at_start, tmp_path: Path) -> None:
+    """Every rank loads the adapter and shards it like one loaded before sharding (column: B's rows, row: A's
+    columns with the rank-r all-reduce): equal to the same adapters loaded at start on the same group, and close to
+    tp 1."""
+    import json
+
+    from tests.test_tp import JOIN_TIMEOUT_S, WORLD, spawn_ranks
+
+    (tmp_path / "files.json").write_text(json.dumps(files))
+    run = spawn_ranks(_tp_rank, WORLD, tiny_path, tmp_path, JOIN_TIMEOUT_S)
+    assert run[0]["sync"] == run[1]["sync"] == {"added": ["fog"], "removed": []}
+    for loras in SETS:
+        (got,), (want,) = run[0]["runtime"][loras], run[0]["start"][loras]
+        assert torch.equal(got.latents, want.latents), loras
+        torch.testing.assert_close(got.latents, at_start.generate([_req(loras)])[0].latents, rtol=1e-4, atol=1e-4)
+    assert run[0]["unsync"] == {"added": [], "removed": ["ink"]}
+    assert torch.equal(run[0]["fog_only"][0].latents, run[0]["start"][(("fog", 0.7),)][0].latents)
