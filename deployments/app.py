@@ -13,6 +13,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from deployments.adapters import Adapters
 from deployments.config import AppArgs, PoolArgs
 from deployments.files import ImageFiles
 from deployments.ingress import Ingress
@@ -56,6 +57,8 @@ def check_args(raw_args: dict[str, Any] | None, model_here: bool = True) -> AppA
     args.load_api_keys()
     if model_here:
         check_source(args.model)
+        if args.lora_dir is not None and not os.path.isdir(os.path.expanduser(args.lora_dir)):
+            raise ValueError(f"args.lora_dir {args.lora_dir!r} is not a folder")
     return args
 
 
@@ -115,7 +118,7 @@ def build_app_with_options(
     args = check_args(raw_args, model_here=False)  # a keys file that cannot be read fails here, not in the ingress
     plain = args.to_dict()
     extra = deployment_options or {}
-    unknown = set(extra) - {"Ingress", "ImageFiles", *QUALITIES}
+    unknown = set(extra) - {"Ingress", "ImageFiles", "Adapters", *QUALITIES}
     if unknown:
         raise ValueError(f"deployment_options: unknown deployment(s) {sorted(unknown)}")
     pools = {
@@ -123,7 +126,9 @@ def build_app_with_options(
         for q in QUALITIES
     }
     files = ImageFiles.options(**extra.get("ImageFiles", {})).bind(args.image_url_ttl_s, args.image_url_max_bytes)
+    adapters = None if args.lora_dir is None else Adapters.options(**extra.get("Adapters", {})).bind(
+        args.lora_dir, sorted(args.loras), args.limits.max_runtime_adapters)
     ingress = {"graceful_shutdown_timeout_s": args.request_timeout_s, **extra.get("Ingress", {})}
     return Ingress.options(**ingress).bind(
-        pools["lossless"], pools["high"], files, plain, model_name(args)
+        pools["lossless"], pools["high"], files, plain, model_name(args), adapters
     )

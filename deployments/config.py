@@ -31,6 +31,7 @@ class Limits:
     max_prompt_chars: int = 2000
     max_guidance: float = 30.0
     max_loras: int = 4  # LoRA adapters one request may combine
+    max_runtime_adapters: int = 8  # adapters loaded through the API (`lora_dir`) at once, in every replica
     max_lora_scale: float = 8.0  # |scale| of each
     # A request's own deadline (`timeout_s`) at least this: a shorter one could only end in a 504.
     min_timeout_s: float = 1.0
@@ -142,6 +143,10 @@ class AppArgs:
     # part of the model: every image uses it, requests name no adapter, a step costs what the base model's does,
     # and the high pool converts (fp8 / fused projections) as without adapters.
     fuse_lora: bool = False
+    # A folder of adapter files that `POST /v1/adapters` may load while the app serves (by file name relative to it;
+    # nothing outside it). None: the adapter API is off. Set, the pools serve per-request adapters (the feature
+    # table's `lora` rules), even with none loaded yet.
+    lora_dir: str | None = None
     limits: Limits = field(default_factory=Limits)
     # A folder every replica and TP rank keeps its built kernels in (Triton's compiled kernels and autotuning,
     # Inductor's caches, cuDNN's plans: kernels/cache.py), so a restarted replica warms from disk. None: each
@@ -161,7 +166,7 @@ class AppArgs:
         unknown_pools = set(pools_raw) - set(QUALITIES)
         if unknown_pools:
             raise ValueError(f"args.pools: unknown pool(s) {sorted(unknown_pools)}; pools are {QUALITIES}")
-        _check_loras(raw.get("loras"), raw.get("fuse_lora", False))
+        _check_loras(raw.get("loras"), raw.get("fuse_lora", False), raw.get("lora_dir"))
         app_on = app_techniques(raw)
         device = str(raw.get("device", "cpu"))
         pools: dict[str, PoolArgs] = {}
@@ -295,12 +300,19 @@ def pool_refusal(args: AppArgs, pool: str, name: str, subject: str | None = None
     return refusal(name, pool=pool, tp=p.tp, device=args.device, on=on, subject=subject)
 
 
-_LORA_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# An adapter name, in args.loras and through the API
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-def _check_loras(loras: Any, fuse: Any = False) -> None:
+def _check_loras(loras: Any, fuse: Any = False, lora_dir: Any = None) -> None:
     if not isinstance(fuse, bool):
         raise ValueError(f"args.fuse_lora must be true or false, got {fuse!r}")
+    if lora_dir is not None:
+        if not isinstance(lora_dir, str) or not lora_dir:
+            raise ValueError(f"args.lora_dir must be a folder path, got {lora_dir!r}")
+        if fuse:
+            raise ValueError("args.lora_dir and args.fuse_lora exclude each other: a fused adapter is part of the "
+                             "weights, and adapters loaded at runtime need the unfused layers; choose one")
     if fuse and (not isinstance(loras, dict) or len(loras) != 1):
         raise ValueError(f"args.fuse_lora needs exactly one adapter in args.loras, got {loras!r}")
     if loras is None:
@@ -308,7 +320,7 @@ def _check_loras(loras: Any, fuse: Any = False) -> None:
     if not isinstance(loras, dict):
         raise ValueError(f"args.loras must map adapter names to .safetensors files, got {loras!r}")
     for name, path in loras.items():
-        if not isinstance(name, str) or not _LORA_NAME.match(name):
+        if not isinstance(name, str) or not ADAPTER_NAME.match(name):
             raise ValueError(f"args.loras: adapter name {name!r} must be 1-64 of letters, digits, '_', '.', '-'")
         if not isinstance(path, str) or not path:
             raise ValueError(f"args.loras.{name} must be a file path, got {path!r}")

@@ -42,6 +42,8 @@ class Engine(Protocol):
 
     async def check_health(self) -> None: ...
 
+    async def sync_adapters(self, wanted: dict[str, str]) -> dict[str, list[str]]: ...
+
     def stats(self) -> dict[str, Any]: ...
 
     def actor_names(self) -> list[str]: ...
@@ -87,6 +89,10 @@ class LocalEngine:
 
     async def check_health(self) -> None:
         return None  # a live process is a live engine: the batch runs in this actor
+
+    async def sync_adapters(self, wanted: dict[str, str]) -> dict[str, list[str]]:
+        """The pipeline's adapters made exactly `wanted` (name -> file), between batches."""
+        return await asyncio.to_thread(self.pipe.sync_loras, wanted)
 
     def stats(self) -> dict[str, Any]:
         graphs = self.pipe.step_graphs
@@ -224,6 +230,17 @@ class TPEngine:
             watcher.cancel()
         await forward_previews()  # the ones made after the watcher's last look
         return results[0]
+
+    async def sync_adapters(self, wanted: dict[str, str]) -> dict[str, list[str]]:
+        """Every rank's adapters made exactly `wanted` (SPMD, between batches; each shards what it loads). A rank
+        that cannot load a file fails alike on every rank (same file, same model): nothing is out of step."""
+        if self.broken:
+            raise PoolUnavailable(self.broken)
+        try:
+            return (await asyncio.gather(*[w.sync_loras.remote(wanted) for w in self.workers]))[0]
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            self.broken = f"a TP rank died: {type(e).__name__}"
+            raise PoolUnavailable(self.broken) from None
 
     async def check_health(self) -> None:
         if self.broken:

@@ -11,6 +11,9 @@ class BadRequest(Exception):
         self.param = param
         self.message = message
 
+    def __reduce__(self) -> tuple:  # crosses Ray calls (a registry or a replica raises it): both fields travel
+        return BadRequest, (self.param, self.message)
+
 
 class PoolUnavailable(RuntimeError):
     """The pool cannot serve right now (a TP rank died, the replica is shutting down): a 503."""

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,7 @@ from deployments.playground import playground_page
 from deployments.config import AppArgs
 from deployments.errors import BadRequest, GenerationFailed, OutOfMemory, PoolUnavailable
 from deployments.schema import (
+    AdapterRequest,
     ErrorResponse,
     ImageRequest,
     ImageResponse,
@@ -230,10 +232,11 @@ class ClosingStream(StreamingResponse):
 class Ingress:
     def __init__(
         self, lossless: DeploymentHandle, high: DeploymentHandle, files: DeploymentHandle, args: dict[str, Any],
-        model_name: str,
+        model_name: str, adapters: DeploymentHandle | None = None,
     ) -> None:
         self.args = AppArgs.parse(args)
         self.files = files
+        self.adapters = adapters  # the registry of adapters loaded through the API (None: args.lora_dir unset)
         keys = self.args.load_api_keys()
         auth.set_keys(keys)
         body.configure(self.args.limits.max_body_bytes)
@@ -312,7 +315,7 @@ class Ingress:
                     "qualities": list(QUALITIES),
                     "tp": {q: self.args.pools[q].tp for q in QUALITIES},
                     # adapters a request may name (a fused one is part of the model and named by none)
-                    "loras": [] if self.args.fuse_lora else sorted(self.args.loras),
+                    "loras": [a["id"] for a in (await self.list_adapters())["data"]],
                     "trained_sizes": self.trained_sizes,  # null: the model's folder does not say
                     "family": self.family.name,
                     # how /v1/images/edits uses the image: "strength" (image-to-image, masks inpaint) or
@@ -329,10 +332,59 @@ class Ingress:
     )
     async def generations(self, body: ImageRequest, request: Request, response: Response) -> Any:
         try:
-            v = validate(body, self.args, self.model_name)
+            v = validate(body, self.args, self.model_name, await self._runtime_adapters(body.lora))
         except BadRequest as e:
             return self._refuse(e)
         return await self._serve(v, request, response, "image_generation")
+
+    @api.get("/v1/adapters", responses=_errors(401))
+    async def list_adapters(self) -> dict[str, Any]:
+        """The LoRA adapters requests may name: those loaded at start (`args.loras`) and through this API."""
+        runtime = await self.adapters.list.remote() if self.adapters is not None else {}
+        data = [{"id": n, "object": "adapter", "source": "args.loras"} for n in sorted(self.args.loras)]
+        data += [{"id": n, "object": "adapter", "source": "api", "file": self._adapter_file(f)}
+                 for n, f in sorted(runtime.items())]
+        return {"object": "list", "data": [] if self.args.fuse_lora else data}
+
+    @api.post("/v1/adapters", responses=_errors(400, 401, 404, 503))
+    async def load_adapter(self, body: AdapterRequest) -> Any:
+        """Load a LoRA adapter file from the server's adapter folder (`args.lora_dir`) under a name, on every replica
+        of both pools (one of each now, which checks it; the others before their first batch that names it)."""
+        if self.adapters is None:
+            return _error(404, "the adapter API is off: this deployment sets no args.lora_dir", "not_found")
+        try:
+            state = await self.adapters.add.remote(body.name, body.file)
+        except BadRequest as e:
+            return self._refuse(e)
+        try:
+            await asyncio.gather(*(self.pools[q].sync_adapters.remote(state) for q in QUALITIES))
+        except Exception as e:  # the file does not load: unregister it again, and answer why
+            state = await self.adapters.remove.remote(body.name)
+            await asyncio.gather(*(self.pools[q].sync_adapters.remote(state) for q in QUALITIES),
+                                 return_exceptions=True)
+            if isinstance(e, BadRequest):
+                return _error(400, f"adapter {body.name!r} does not load: {e.message}", "invalid_request_error",
+                              "file")
+            return _failure("adapters", e, self.args.request_timeout_s)[1]
+        logger.info("adapter %s loaded from %s", body.name, state[body.name])
+        return {"id": body.name, "object": "adapter", "source": "api", "file": self._adapter_file(state[body.name])}
+
+    @api.delete("/v1/adapters/{name}", responses=_errors(401, 404))
+    async def unload_adapter(self, name: str) -> Any:
+        """Unload an adapter loaded through this API: requests may no longer name it; replicas free it (one of each
+        pool now, the others at their next adapter change)."""
+        if self.adapters is None:
+            return _error(404, "the adapter API is off: this deployment sets no args.lora_dir", "not_found")
+        try:
+            state = await self.adapters.remove.remote(name)
+        except LookupError as e:
+            return _error(404, str(e.args[0] if e.args else e), "not_found")
+        await asyncio.gather(*(self.pools[q].sync_adapters.remote(state) for q in QUALITIES), return_exceptions=True)
+        return {"id": name, "object": "adapter", "deleted": True}
+
+    def _adapter_file(self, path: str) -> str:
+        """An adapter file as the API names it: relative to the adapter folder."""
+        return os.path.relpath(path, os.path.realpath(os.path.expanduser(self.args.lora_dir or "/")))
 
     @api.get("/v1/images/files/{file_id}", name="image_file", responses={
         200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}, "description": "the image"},
@@ -373,10 +425,17 @@ class Ingress:
         try:
             # decoding images takes CPU time: off the event loop, so other requests keep flowing meanwhile
             v = await asyncio.to_thread(validate_edit, fields, files, self.args, self.model_name, typed,
-                                        self.family)
+                                        self.family, await self._runtime_adapters(fields.get("lora")))
         except BadRequest as e:
             return self._refuse(e)
         return await self._serve(v, request, response, "image_edit")
+
+    async def _runtime_adapters(self, named: Any) -> dict[str, str] | None:
+        """The adapters loaded through the API (name -> file) when a request names any adapter and the API is on:
+        read from the registry for each such request, so every ingress replica sees adds and deletes at once."""
+        if self.adapters is None or not named:
+            return None
+        return await self.adapters.list.remote()
 
     def _refuse(self, e: BadRequest) -> JSONResponse:
         """A request refused before it reaches a pool: counted, and answered 400 with the reason."""
@@ -433,7 +492,7 @@ class Ingress:
         t0 = time.perf_counter()
         self._enter(pool)
         try:
-            status, payload = await self._dispatch(pool, v.jobs, v.timeout_s)
+            status, payload = await self._dispatch(pool, v.jobs, v.timeout_s, v.adapters)
         finally:
             self._leave(pool)
         self.m_requests.inc(tags={"pool": pool, "status": str(status)})
@@ -495,7 +554,7 @@ class Ingress:
         deadline = loop.time() + v.timeout_s
         t0 = time.perf_counter()
         self._enter(pool)  # left by close() below however the stream ends, or here when nothing was sent
-        events = self.pools[pool].options(stream=True).generate_stream.remote(job, v.partial_images)
+        events = self.pools[pool].options(stream=True).generate_stream.remote(job, v.partial_images, v.adapters)
 
         async def next_event() -> tuple[int, Any]:
             try:
@@ -559,19 +618,21 @@ class Ingress:
         return ClosingStream(body(), on_close=close, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _dispatch(self, pool: str, jobs: list, timeout_s: float) -> tuple[int, Any]:
-        """Send each image to the pool; (200, results) or (status, JSONResponse)."""
+    async def _dispatch(self, pool: str, jobs: list, timeout_s: float,
+                        adapters: dict[str, str] | None = None) -> tuple[int, Any]:
+        """Send each image to the pool (with the API's adapters when the jobs name one); (200, results) or
+        (status, JSONResponse)."""
         handle = self.pools[pool]
         responses: list = []  # every call made, retries included, for cancellation
 
         async def _one(job: Any) -> dict[str, Any]:
-            responses.append(handle.generate.remote(job))
+            responses.append(handle.generate.remote(job, adapters))
             try:
                 return await responses[-1]
             except REPLICA_GONE as e:
                 logger.warning("pool %s: the replica went away under a request (%r); re-running it once", pool, e)
                 self.retries[pool] += 1
-                responses.append(handle.generate.remote(job))
+                responses.append(handle.generate.remote(job, adapters))
                 return await responses[-1]
 
         async def _gather() -> list[dict[str, Any]]:

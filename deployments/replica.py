@@ -23,7 +23,7 @@ from ray import serve
 
 from deployments.config import AppArgs
 from deployments.engine import Engine, make_engine
-from deployments.errors import GenerationFailed, OutOfMemory, PoolUnavailable
+from deployments.errors import BadRequest, GenerationFailed, OutOfMemory, PoolUnavailable
 from model.pipeline import GenerationCancelled
 from model.preview import PreviewSink, preview_steps
 from model.request import GenerationRequest
@@ -34,6 +34,8 @@ logger = logging.getLogger("ray.serve")
 @dataclass
 class _Ticket:
     job: GenerationRequest
+    # The adapters loaded through the API (name -> file) when the job names one: loaded before it runs.
+    adapters: dict[str, str] | None = None
     # Set by generate() when its caller gave up (ingress timeout, client gone): the batch handler's
     # should_stop() stops a group once every ticket in it is cancelled.
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -60,6 +62,7 @@ class PoolReplica:
         self._images = 0
         self._out_of_memory = 0
         self._busy = asyncio.Lock()
+        self._runtime_adapters: dict[str, str] = {}  # the API's adapters this replica's pipeline holds
 
     @property
     def batch_wait_s(self) -> float:
@@ -98,14 +101,17 @@ class PoolReplica:
             return all(t.cancelled.is_set() for t in chunk)
 
         self._batch_count += 1
+        wanted = next((t.adapters for t in chunk if t.adapters is not None), None)
         try:
             async with self._busy:  # one pipeline call at a time per replica
+                if wanted is not None:
+                    await self._sync_adapters(wanted)
                 t0 = time.perf_counter()
                 results = await self.engine.generate(requests, should_stop, previews)
         except GenerationCancelled:
             self._cancelled_batches += 1
             raise
-        except PoolUnavailable:
+        except (PoolUnavailable, BadRequest):
             raise
         except Exception as exc:
             if _is_out_of_memory(exc):
@@ -135,7 +141,28 @@ class PoolReplica:
             for r in results
         ]
 
-    async def stream(self, job: GenerationRequest, partial_images: int) -> AsyncIterator[dict[str, Any]]:
+    async def sync_adapters(self, wanted: dict[str, str]) -> list[str]:
+        """Load the API's adapters `wanted` now (between batches), dropping those no longer in it; returns the names
+        loaded. A file that does not load is a BadRequest with diffusers' reason."""
+        async with self._busy:
+            return await self._sync_adapters(wanted)
+
+    async def _sync_adapters(self, wanted: dict[str, str]) -> list[str]:
+        if wanted == self._runtime_adapters:
+            return []
+        try:
+            done = await self.engine.sync_adapters({**self.args.loras, **wanted})
+        except PoolUnavailable:
+            raise
+        except Exception as exc:  # the engine holds the adapters that did load: the next sync starts from there
+            self._runtime_adapters = {}
+            raise BadRequest("lora", f"an adapter could not be loaded: {type(exc).__name__}: {exc}") from None
+        self._runtime_adapters = dict(wanted)
+        logger.info("pool %s: adapters loaded %s, dropped %s", self.pool, done["added"], done["removed"])
+        return done["added"]
+
+    async def stream(self, job: GenerationRequest, partial_images: int,
+                     adapters: dict[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
         """One image with up to `partial_images` previews while it denoises: yields {"partial_image_index",
         "step", "png"} per preview, then {"final": <what a batch returns for it>}. It runs as its own pipeline call
         (a batch of one, so its final image equals the same request served alone, byte for byte in the lossless
@@ -147,7 +174,7 @@ class PoolReplica:
             event = {"partial_image_index": index, "step": step, "png": pngs[0]}
             loop.call_soon_threadsafe(events.put_nowait, ("partial", event))
 
-        ticket = _Ticket(job)
+        ticket = _Ticket(job, adapters)
         sink = PreviewSink(preview_steps(job.denoising_steps, partial_images), emit)
         work = asyncio.ensure_future(self.run_chunk([ticket], 1, previews=sink))
         work.add_done_callback(lambda _: events.put_nowait(("done", None)))
@@ -189,9 +216,10 @@ class FluxReplica:  # pragma: no mutate block
         self._batched.set_batch_wait_timeout_s(self.core.batch_wait_s)
         logger.info("FluxReplica pool=%s tp=%d ready", pool, self.core.pool_args.tp)
 
-    async def generate(self, job: GenerationRequest) -> dict[str, Any]:
-        """Generate one image; returns png bytes, seed, timings, pool, batch size."""
-        ticket = _Ticket(job)
+    async def generate(self, job: GenerationRequest, adapters: dict[str, str] | None = None) -> dict[str, Any]:
+        """Generate one image; returns png bytes, seed, timings, pool, batch size. `adapters`: the API's adapters
+        when the job names one of them (loaded first)."""
+        ticket = _Ticket(job, adapters)
         try:
             status, value = await self._batched(ticket)
         except asyncio.CancelledError:
@@ -201,10 +229,15 @@ class FluxReplica:  # pragma: no mutate block
             return value
         raise value
 
-    async def generate_stream(self, job: GenerationRequest, partial_images: int) -> AsyncIterator[dict[str, Any]]:
+    async def generate_stream(self, job: GenerationRequest, partial_images: int,
+                              adapters: dict[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
         """`PoolReplica.stream` as a Serve streaming call."""
-        async for event in self.core.stream(job, partial_images):
+        async for event in self.core.stream(job, partial_images, adapters):
             yield event
+
+    async def sync_adapters(self, wanted: dict[str, str]) -> list[str]:
+        """`PoolReplica.sync_adapters` (the adapter API loads a new adapter on one replica of each pool)."""
+        return await self.core.sync_adapters(wanted)
 
     @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.05)
     async def _batched(self, tickets: list[_Ticket]) -> list[tuple[str, Any]]:

@@ -11,6 +11,7 @@ import json
 import math
 import secrets
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -44,6 +45,15 @@ class LoraRef(BaseModel):
 
     name: StrictStr
     scale: StrictFloat | StrictInt = 1.0
+
+
+class AdapterRequest(BaseModel):
+    """`POST /v1/adapters`: load the adapter file `file` (relative to `args.lora_dir`) as `name`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr = Field(description="the name requests use in `lora`: 1-64 of letters, digits, '_', '.', '-'")
+    file: StrictStr = Field(description="a .safetensors file in the server's adapter folder (args.lora_dir)")
 
 
 class ImageRequest(BaseModel):
@@ -171,10 +181,15 @@ class Validated:
     response_format: str = "b64_json"
     stream: bool = False
     partial_images: int = 0
+    # The adapters loaded through the API (name -> file) when a job names one of them: the replica loads this set
+    # before running it. None: the jobs name none.
+    adapters: dict[str, str] | None = None
 
 
-def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
-    """Apply the deployment's limits and defaults; raise BadRequest with the first problem found."""
+def validate(req: ImageRequest, args: AppArgs, model_name: str, runtime: Mapping[str, str] | None = None
+             ) -> Validated:
+    """Apply the deployment's limits and defaults; raise BadRequest with the first problem found. `runtime`: the
+    adapters loaded through the API (name -> file), which requests may name besides `args.loras`."""
     lim = args.limits
     quality = QUALITY_ALIASES.get(req.quality, req.quality) or args.default_quality
     if quality not in QUALITIES:
@@ -215,14 +230,15 @@ def validate(req: ImageRequest, args: AppArgs, model_name: str) -> Validated:
     if not 0 <= compression <= 100:
         raise BadRequest("output_compression", f"output_compression must be between 0 and 100, got {compression}")
     _check_delivery(req, args)
-    loras = _loras(req.lora or [], args)
+    loras = _loras(req.lora or [], args, runtime or {})
     _check_step_cache(req.step_cache, quality, args)
     jobs = [GenerationRequest(req.prompt, height, width, steps, guidance, seed + i, quality, loras,
                               step_cache=None if req.step_cache is None else float(req.step_cache))
             for i in range(req.n)]
     return Validated(jobs=jobs, timeout_s=timeout_s, size=format_size(height, width),
                      output_format=req.output_format, output_compression=compression,
-                     response_format=req.response_format, stream=req.stream, partial_images=req.partial_images or 0)
+                     response_format=req.response_format, stream=req.stream, partial_images=req.partial_images or 0,
+                     adapters=dict(runtime) if runtime and any(n in runtime for n, _ in loras) else None)
 
 
 def _check_delivery(req: ImageRequest, args: AppArgs) -> None:
@@ -255,7 +271,7 @@ def _check_step_cache(threshold: float | None, quality: str, args: AppArgs) -> N
         raise BadRequest("step_cache", f"{refusal} (this request asks for quality {quality!r})")
 
 
-def _loras(refs: list[LoraRef], args: AppArgs) -> tuple[tuple[str, float], ...]:
+def _loras(refs: list[LoraRef], args: AppArgs, runtime: Mapping[str, str]) -> tuple[tuple[str, float], ...]:
     """The request's adapters as (name, scale) pairs sorted by name (one batch key per set, whatever the order)."""
     lim = args.limits
     if refs and args.fuse_lora:
@@ -265,8 +281,8 @@ def _loras(refs: list[LoraRef], args: AppArgs) -> tuple[tuple[str, float], ...]:
         raise BadRequest("lora", f"at most {lim.max_loras} LoRA adapters per request, got {len(refs)}")
     seen: set[str] = set()
     for ref in refs:
-        if ref.name not in args.loras:
-            served = sorted(args.loras) or "none"
+        if ref.name not in args.loras and ref.name not in runtime:
+            served = sorted({*args.loras, *runtime}) or "none"
             raise BadRequest("lora", f"unknown LoRA adapter {ref.name!r}; this server serves {served}")
         if ref.name in seen:
             raise BadRequest("lora", f"LoRA adapter {ref.name!r} is named twice")
@@ -343,7 +359,8 @@ def _data_url(ref: Any, where: str) -> bytes:
 
 
 def validate_edit(fields: dict[str, Any], files: dict[str, bytes], args: AppArgs, model_name: str,
-                  typed: bool = False, family: ModelFamily | None = None) -> Validated:
+                  typed: bool = False, family: ModelFamily | None = None,
+                  runtime: Mapping[str, str] | None = None) -> Validated:
     """An OpenAI-style multipart edit: `image` (+ optional `mask`, white = repaint) and the generation fields as form
     values (plus `strength`). The size defaults to the image's own, rounded down to a multiple of 16. `family`: the
     served model's (its edit rules and default strength; None: FLUX.1's image-to-image and inpainting)."""
@@ -401,7 +418,7 @@ def validate_edit(fields: dict[str, Any], files: dict[str, bytes], args: AppArgs
     if strength is not None:
         edit["strength"] = strength
     try:
-        v = validate(req, args, model_name)
+        v = validate(req, args, model_name, runtime)
     except BadRequest as exc:
         if sized_by_image and exc.param == "size":  # say where the size came from, not only what is wrong with it
             raise BadRequest("image", f"image is {source.size[0]}x{source.size[1]}; an edit without `size` is made at "

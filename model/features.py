@@ -33,6 +33,7 @@ class Feature:
     # (not an option: part of every high batch).
     where: Literal["pool", "app"] | None = None
     option: str | None = None  # the config key; defaults to `name`
+    also: tuple[str, ...] = ()  # other app options that turn it on too
     option_type: type = bool  # bool, or float for a threshold (null: off)
     # Where it runs; elsewhere it is refused by the config ("config") or the sites stay on their exact kernels
     # ("exact"), or the replica keeps bf16 with a warning ("warn").
@@ -93,8 +94,9 @@ FEATURES: tuple[Feature, ...] = (
             scope="replica", where="pool", devices=("cuda",), elsewhere="config"),
     Feature("step_cache", "First-Block step cache: a step whose first block changed little reuses the rest's "
             "residual", exact=False, scope="batch", where="pool", option="step_cache_threshold", option_type=float),
-    Feature("lora", "LoRA adapters loaded once, switched on per batch as requests name them", exact=True,
-            scope="batch", where="app", option="loras", option_type=dict,
+    Feature("lora", "LoRA adapters loaded once (at start, or at runtime from `lora_dir`), switched on per batch as "
+            "requests name them", exact=True, scope="batch", where="app", option="loras", option_type=dict,
+            also=("lora_dir",),
             excludes={"compile": "LoRA under torch.compile is not built yet",
                       "cuda_graphs": "a captured step would replay the adapter set it was captured with; fuse the "
                                      "one adapter (fuse_lora) or turn cuda_graphs off",
@@ -125,7 +127,7 @@ def feature(name: str) -> Feature:
 
 def app_techniques(options: Mapping[str, Any]) -> frozenset[str]:
     """The techniques that app-level options (`args:` keys -> values) turn on for every pool."""
-    on = {f.name for f in FEATURES if f.where == "app" and options.get(f.key)}
+    on = {f.name for f in FEATURES if f.where == "app" and any(options.get(k) for k in (f.key, *f.also))}
     return frozenset(on - {f.instead_of for f in FEATURES if f.name in on})
 
 
@@ -164,7 +166,8 @@ def table_markdown() -> str:
     rows = ["| technique | config | exact | scope | runs on | tp > 1 | high default | cannot run with |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for f in FEATURES:
-        config = "always in high" if f.where is None else f"`{f.where_in('<pool>')}`"
+        config = "always in high" if f.where is None else " or ".join(
+            [f"`{f.where_in('<pool>')}`", *(f"`args.{k}`" for k in f.also)])
         dtypes = "" if f.dtypes == DTYPES else " " + "/".join(_SHORT[d] for d in f.dtypes)
         runs = ("any" if f.devices == ("cpu", "cuda") else "/".join(f.devices)) + dtypes
         default = ("yes" + (f" (with {', '.join(f.default_with)})" if f.default_with else "")) if f.high_default else "no"

@@ -150,3 +150,43 @@ def test_tp2_ranks_load_and_unload_an_adapter_while_serving_as_they_do_at_start(
         torch.testing.assert_close(got.latents, at_start.generate([_req(loras)])[0].latents, rtol=1e-4, atol=1e-4)
     assert run[0]["unsync"] == {"added": [], "removed": ["ink"]}
     assert torch.equal(run[0]["fog_only"][0].latents, run[0]["start"][(("fog", 0.7),)][0].latents)
+
+
+def test_the_registry_takes_files_in_its_folder_only_and_keeps_its_set(tmp_path: Path) -> None:
+    from deployments.adapters import STATE_FILE, AdapterStore, NotFound
+    from deployments.errors import BadRequest
+
+    folder = tmp_path / "loras"
+    (folder / "sub").mkdir(parents=True)
+    for f in ("fog.safetensors", "sub/ink.safetensors", "notes.txt"):
+        (folder / f).write_bytes(b"x")
+    (tmp_path / "outside.safetensors").write_bytes(b"x")
+    (folder / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    store = AdapterStore(str(folder), ["cfg"], max_count=2)
+    assert store.add("fog", "fog.safetensors") == {"fog": str(folder / "fog.safetensors")}
+    for name, file, param, message in (
+            ("x", "../outside.safetensors", "file", "outside the adapter folder"),
+            ("x", str(tmp_path / "outside.safetensors"), "file", "outside the adapter folder"),
+            ("x", "link.safetensors", "file", "outside the adapter folder"),  # a link out of it, resolved
+            ("x", "notes.txt", "file", "not a .safetensors file"),
+            ("x", "gone.safetensors", "file", "no file 'gone.safetensors'"),
+            ("x", "", "file", "must name a .safetensors file"),
+            ("a b", "fog.safetensors", "name", "1-64 of letters"),
+            ("fog", "fog.safetensors", "name", "loaded already; delete it first"),
+            ("cfg", "fog.safetensors", "name", "loaded already (args.loras)")):
+        with pytest.raises(BadRequest) as exc:
+            store.add(name, file)
+        assert (exc.value.param, message in exc.value.message) == (param, True), exc.value.message
+    store.add("ink", "sub/ink.safetensors")
+    with pytest.raises(BadRequest, match="at most 2 adapters"):
+        store.add("more", "fog.safetensors")
+    # a restarted registry knows the set; a file gone since is dropped
+    assert AdapterStore(str(folder), [], 2).list() == store.list()
+    (folder / "fog.safetensors").unlink()
+    assert AdapterStore(str(folder), [], 2).list() == {"ink": str(folder / "sub" / "ink.safetensors")}
+    assert store.remove("fog") == {"ink": str(folder / "sub" / "ink.safetensors")}
+    with pytest.raises(NotFound, match="args.loras'"):
+        store.remove("cfg")
+    with pytest.raises(NotFound):
+        store.remove("fog")
+    assert (folder / STATE_FILE).is_file()

@@ -15,7 +15,7 @@ pytest.importorskip("ray")
 import torch  # noqa: E402
 
 from deployments.config import AppArgs  # noqa: E402
-from deployments.errors import GenerationFailed, OutOfMemory, PoolUnavailable  # noqa: E402
+from deployments.errors import BadRequest, GenerationFailed, OutOfMemory, PoolUnavailable  # noqa: E402
 from deployments.replica import PoolReplica, _Ticket  # noqa: E402
 from model.pipeline import GenerationCancelled, GenerationResult  # noqa: E402
 from model.request import GenerationRequest  # noqa: E402
@@ -220,3 +220,42 @@ def test_a_stream_closed_before_its_work_failed_leaves_no_unretrieved_error() ->
 
     _run(closed_then_failed())
     assert [c.get("message") for c in reported] == []
+
+
+class _AdapterEngine(_Engine):
+    """Also records adapter syncs; a file named "bad" fails to load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[dict[str, str]] = []
+
+    async def sync_adapters(self, wanted: dict[str, str]) -> dict[str, list[str]]:
+        self.syncs.append(dict(wanted))
+        if "bad" in wanted.values():
+            raise ValueError("Target modules {'x'} not found in the base model")
+        return {"added": sorted(wanted), "removed": []}
+
+
+def test_a_job_naming_an_api_adapter_loads_the_registry_set_first_and_once() -> None:
+    engine = _AdapterEngine()
+    replica = PoolReplica("lossless", AppArgs.parse({"loras": {"ink": "/a/ink.safetensors"}, "lora_dir": "/a"}),
+                          engine)
+    job = GenerationRequest("a", seed=1, loras=(("fog", 1.0),))
+
+    async def run() -> list:
+        first = await replica.run_tickets([_Ticket(job, {"fog": "/a/fog.safetensors"})])
+        again = await replica.run_tickets([_Ticket(job, {"fog": "/a/fog.safetensors"}), _Ticket(job, None)])
+        bad = await replica.run_tickets([_Ticket(job, {"fog": "/a/fog.safetensors", "x": "bad"})])
+        after = await replica.run_tickets([_Ticket(job, {"fog": "/a/fog.safetensors"})])
+        return [first, again, bad, after]
+
+    first, again, bad, after = asyncio.run(run())
+    assert [s for s, _ in first + again + after] == ["ok"] * 4
+    # the set loaded is args.loras plus the registry's, before the batch; the same set is not loaded again
+    assert engine.syncs[:2] == [{"ink": "/a/ink.safetensors", "fog": "/a/fog.safetensors"},
+                                {"ink": "/a/ink.safetensors", "fog": "/a/fog.safetensors", "x": "bad"}]
+    (status, err), = bad
+    assert status == "err" and isinstance(err, BadRequest) and err.param == "lora"
+    assert "could not be loaded: ValueError: Target modules" in err.message
+    assert len(engine.calls) == 4  # the failed sync ran no batch ...
+    assert len(engine.syncs) == 3  # ... and the next job syncs again from scratch

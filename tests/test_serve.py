@@ -248,6 +248,57 @@ def test_sigterm_stops_the_demo_and_leaves_nothing_running(fluxserve_cache: Path
 # --------------------------------------------------------------------------------------------------
 
 
+def test_runtime_adapters_load_serve_and_unload_through_the_api(serve_app: dict, tmp_path: Path) -> None:
+    """`args.lora_dir` on, high pool at tp 2: POST /v1/adapters loads a file from the folder on both pools (the tp 2
+    ranks shard it), requests name it (lossless: the bytes of a pipeline that loaded it at start; high at tp 2:
+    close to them), a file outside the folder or one that does not load is a 400 and stays unregistered, DELETE
+    unloads it (then a 400 for a request naming it, a 404 for a second DELETE); without lora_dir the API is a
+    404."""
+    import torch
+
+    from model.loading import load_pipeline
+    from model.pipeline import GenerationRequest
+    from tests._inputs import png_psnr, write_random_lora
+
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    pipe = load_pipeline(serve_app["args"]["model"], device="cpu", dtype=torch.float32)
+    fog = write_random_lora(pipe.transformer, folder / "fog.safetensors", 2, rank=8)
+    from safetensors.torch import save_file
+
+    save_file({"transformer.nowhere.lora_A.weight": torch.ones(2, 4), "transformer.nowhere.lora_B.weight":
+               torch.ones(4, 2)}, str(folder / "foreign.safetensors"))
+    assert requests.post(serve_app["url"] + "/v1/adapters", json={"name": "fog", "file": "fog.safetensors"},
+                         timeout=30).status_code == 404  # the session app sets no lora_dir
+    high = {"tp": 2, "cpu_threads": 1, "backend": "gloo", "rank_resources": {"CPU": 0.5}}
+    with _side_app(serve_app, "adapters", high=high, lora_dir=str(folder)) as app:
+        url = app["url"]
+        assert requests.get(url + "/v1/adapters", timeout=10).json()["data"] == []
+        r = requests.post(url + "/v1/adapters", json={"name": "fog", "file": "fog.safetensors"}, timeout=120)
+        assert r.status_code == 200 and r.json() == {"id": "fog", "object": "adapter", "source": "api",
+                                                     "file": "fog.safetensors"}, r.text
+        assert requests.get(url + "/v1/models", timeout=10).json()["data"][0]["loras"] == ["fog"]
+        body = {"prompt": "a fox", "size": "64x64", "steps": 2, "seed": 4, "lora": [{"name": "fog", "scale": 0.8}]}
+        pipe.load_loras({"fog": str(fog)})
+        direct = _direct(pipe, GenerationRequest("a fox", height=64, width=64, steps=2, seed=4,
+                                                 loras=(("fog", 0.8),)))
+        plain = _direct(pipe, GenerationRequest("a fox", height=64, width=64, steps=2, seed=4))
+        lossless = requests.post(url + "/v1/images/generations", json=body, timeout=120).json()
+        assert base64.b64decode(lossless["data"][0]["b64_json"]) == direct and lossless["ran"]["adapters"]
+        tp2 = requests.post(url + "/v1/images/generations", json={**body, "quality": "high"}, timeout=120).json()
+        got = base64.b64decode(tp2["data"][0]["b64_json"])
+        assert png_psnr(got, direct) >= 40 > png_psnr(got, plain), (png_psnr(got, direct), png_psnr(got, plain))
+        for file, message in (("../fog.safetensors", "outside the adapter folder"),
+                              ("foreign.safetensors", "adapter 'bad' does not load")):
+            r = requests.post(url + "/v1/adapters", json={"name": "bad", "file": file}, timeout=120)
+            assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+        assert [a["id"] for a in requests.get(url + "/v1/adapters", timeout=10).json()["data"]] == ["fog"]
+        assert requests.delete(url + "/v1/adapters/fog", timeout=60).json()["deleted"] is True
+        r = requests.post(url + "/v1/images/generations", json=body, timeout=60)
+        assert r.status_code == 400 and "unknown LoRA adapter 'fog'" in r.json()["error"]["message"], r.text
+        assert requests.delete(url + "/v1/adapters/fog", timeout=60).status_code == 404
+
+
 def test_kontext_edits_through_the_openai_client_equal_the_pipeline(serve_app: dict, kontext_path: Path) -> None:
     """An app serving FLUX.1 Kontext (tiny-kontext): `/v1/models` says how it edits; `client.images.edit` with the
     model named answers the Kontext pipeline's bytes; a mask or a strength is a 400 with the reason."""
