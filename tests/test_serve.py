@@ -299,9 +299,11 @@ def test_runtime_adapters_load_serve_and_unload_through_the_api(serve_app: dict,
         assert requests.delete(url + "/v1/adapters/fog", timeout=60).status_code == 404
 
 
-def test_kontext_edits_through_the_openai_client_equal_the_pipeline(serve_app: dict, kontext_path: Path) -> None:
+def test_kontext_edits_through_the_openai_client_equal_the_pipeline(serve_app: dict, kontext_path: Path,
+                                                                    browser: Any, tmp_path: Path) -> None:
     """An app serving FLUX.1 Kontext (tiny-kontext): `/v1/models` says how it edits; `client.images.edit` with the
-    model named answers the Kontext pipeline's bytes; a mask or a strength is a 400 with the reason."""
+    model named answers the Kontext pipeline's bytes; a mask or a strength is a 400 with the reason; the playground's
+    edit mode offers neither and shows the same bytes for the same edit."""
     openai = pytest.importorskip("openai")
     import torch
 
@@ -328,7 +330,21 @@ def test_kontext_edits_through_the_openai_client_equal_the_pipeline(serve_app: d
                               data={"prompt": "a", **extra.get("data", {})}, timeout=30)
             error = r.json()["error"]
             assert r.status_code == 400 and error["param"] == param and error["message"].startswith(message), r.text
-        assert '"edits": "reference"' in requests.get(app["url"] + "/", timeout=10).text  # the page hides mask, strength
+        src = tmp_path / "in.png"
+        src.write_bytes(image)
+        page = browser.new_page()
+        try:
+            page.goto(app["url"] + "/")
+            page.click("#mode-edit")
+            assert not page.is_visible("#strength-edits") and not page.is_visible("#mask-canvas")
+            page.set_input_files("#edit-image", str(src))
+            page.wait_for_function("window.flux.editImage")
+            _fill(page, "make the fox red", size=None, seed=3)
+            page.click("#run")
+            _wait_done(page, "lossless")
+            assert _shown_png(page, "lossless") == base64.b64decode(res.data[0].b64_json)
+        finally:
+            page.close()
 
 
 @pytest.fixture(scope="session")
