@@ -56,7 +56,7 @@ class AdapterStore:
             raise BadRequest("name", f"adapter {name!r} is loaded already"
                                      + (" (args.loras)" if name in self.configured else "; delete it first"))
         if len(self._adapters) >= self.max_count:
-            raise BadRequest("name", f"at most {self.max_count} adapters may be loaded through the API "
+            raise BadRequest(None, f"at most {self.max_count} adapters may be loaded through the API "
                                      "(args.limits.max_runtime_adapters); delete one first")
         self._adapters[name] = self.resolve(file)
         self._save()
