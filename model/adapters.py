@@ -33,11 +33,14 @@ def _skeleton(served: nn.Module) -> nn.Module:
     with torch.device("meta"):
         skeleton = type(served).from_config(served.config)
     for layer in skeleton.modules():
-        if type(layer) is nn.Linear:
+        if type(layer) is nn.Linear:  # (PEFT reads a base layer's device and dtype from its weight)
             layer.weight = nn.Parameter(zero.expand(layer.out_features, layer.in_features), requires_grad=False)
-            if layer.bias is not None:
-                layer.bias = nn.Parameter(zero.expand(layer.out_features), requires_grad=False)
     return skeleton
+
+
+def _base_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The shapes of a model's own parameters (a PEFT layer's base under its original name; adapters left out)."""
+    return {n.replace(".base_layer.", "."): tuple(p.shape) for n, p in model.named_parameters() if "lora_" not in n}
 
 
 def _move_entries(src: nn.Module, dst: nn.Module, name: str) -> None:
@@ -55,12 +58,17 @@ def load_adapter(pipe: Any, name: str, path: str) -> list[str]:
     the transformer's layers the adapter now reaches (a TP rank shards those)."""
     served = pipe.transformer
     skeleton = _skeleton(served)
+    shapes = _base_shapes(skeleton)
     pipe.transformer = skeleton
     try:
         # the text-encoder part, if any, goes into the pipeline's real text encoders
         pipe.load_lora_weights(str(path), adapter_name=name)
     finally:
         pipe.transformer = served
+    if _base_shapes(skeleton) != shapes or getattr(skeleton, "_transformer_norm_layers", None):
+        # a Control LoRA widens the input projection and replaces norms: the model itself changes
+        pipe.delete_adapters([name])
+        raise ValueError(f"adapter file {path} reshapes the model (a Control LoRA): load it at start (args.loras)")
     reached = []
     for path_, layer in skeleton.named_modules():
         if not _is_peft_layer(layer) or name not in getattr(layer, "lora_A", {}):
@@ -76,10 +84,9 @@ def load_adapter(pipe: Any, name: str, path: str) -> list[str]:
             target = layer
         target._move_adapter_to_device_of_base_layer(name)
         reached.append(path_)
-    if not reached:
-        raise ValueError(f"adapter file {path} has no layer of this transformer")
-    served.peft_config = {**getattr(served, "peft_config", {}), name: skeleton.peft_config[name]}
-    served._hf_peft_config_loaded = True
+    if reached:  # (an adapter of the text encoder only reaches none)
+        served.peft_config = {**getattr(served, "peft_config", {}), name: skeleton.peft_config[name]}
+        served._hf_peft_config_loaded = True
     return reached
 
 

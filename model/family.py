@@ -86,16 +86,16 @@ def families() -> list[ModelFamily]:
 
 
 def family_of(model: Any) -> ModelFamily:
-    """The family of a model_index.json class name, a diffusers pipeline (by its class: families may share a
-    transformer), or a transformer, ours or diffusers' (the first family with that class: what a transformer alone
-    decides, its TP plan and conversions, is then the same for every family sharing it)."""
+    """The family of a model_index.json class name, a diffusers pipeline (by its class, subclasses too: families
+    may share a transformer), or a transformer, ours or diffusers' (the first family with that class: what a
+    transformer alone decides, its TP plan and conversions, is then the same for every family sharing it)."""
     if isinstance(model, str):
         name = model
     else:
         for family in families():
-            if type(model) in family.pipeline_classes().values():
+            if isinstance(model, tuple(family.pipeline_classes().values())):
                 return family
-        name = type(getattr(model, "transformer", model)).__name__
+        name = type(model).__name__
     for family in families():
         if name in family.pipeline_class_names or name in (family.transformer_class().__name__,
                                                             family.reference_transformer_class().__name__):

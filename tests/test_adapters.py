@@ -17,7 +17,9 @@ from model.loading import load_pipeline  # noqa: E402
 from model.pipeline import GenerationRequest  # noqa: E402
 from tests._inputs import write_random_lora  # noqa: E402
 
-SETS = ((("fog", 0.7),), (("ink", 0.5), ("fog", 1.0)), (("ink", 1.0),), ())
+# (fog before ink too: PEFT adds the active adapters' terms in the order they are set, so an adapter nested in its
+# own PEFT layer around another instead of joining it would round differently)
+SETS = ((("fog", 0.7),), (("ink", 0.5), ("fog", 1.0)), (("fog", 1.0), ("ink", 0.5)), (("ink", 1.0),), ())
 
 
 def _req(loras: tuple = (), seed: int = 5) -> GenerationRequest:
@@ -57,6 +59,13 @@ def test_an_adapter_loaded_while_serving_computes_what_one_loaded_at_start_does(
     for loras in SETS:
         got, want = pipe.generate([_req(loras)])[0], at_start.generate([_req(loras)])[0]
         assert torch.equal(got.latents, want.latents) and got.png == want.png, loras
+    # one PEFT layer per linear holds every adapter that reaches it, as diffusers' own loading leaves it
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in pipe.transformer.modules() if isinstance(m, BaseTunerLayer)]
+    assert not any(isinstance(m.get_base_layer(), BaseTunerLayer) or isinstance(m.base_layer, BaseTunerLayer)
+                   for m in layers)
+    assert sorted(pipe.transformer.get_submodule("single_transformer_blocks.0.proj_out").lora_A) == ["fog", "ink"]
     # the adapter's tensors are where PEFT puts them for a served model: the base layer's device and dtype
     layer = pipe.transformer.get_submodule("transformer_blocks.0.attn.to_k")
     assert layer.lora_A["fog"].weight.device.type == "cpu" and layer.lora_A["fog"].weight.dtype == torch.float32
@@ -66,6 +75,8 @@ def test_removing_an_adapter_frees_its_layers_and_leaves_the_others_exact(
         tiny_path: Path, files: dict[str, str], at_start) -> None:
     pipe = load_pipeline(str(tiny_path))
     pipe.sync_loras(files)
+    # diffusers' own view: both configs, and its adapter calls work (they check its "loaded" flag)
+    assert set(pipe.transformer.peft_config) == {"fog", "ink"} and pipe.transformer.active_adapters()
     assert pipe.sync_loras(files) == {"added": [], "removed": []}  # nothing to do
     assert pipe.sync_loras({"ink": files["ink"]}) == {"added": [], "removed": ["fog"]}
     assert _lora_layers(pipe, "fog") == [] and "fog" not in pipe.transformer.peft_config
@@ -92,7 +103,22 @@ def test_runtime_adapters_are_refused_on_a_converted_or_fused_transformer(tiny_p
         pipe.add_lora("fog", files["ink"])
     with pytest.raises(ValueError, match="no_such_block"):  # diffusers says which layers it did not find
         pipe.add_lora("other", str(_foreign_lora(Path(files["ink"]).parent)))
-    assert pipe.loras == {"fog": files["fog"]}
+    before = pipe.generate([_req((("fog", 1.0),))])[0]
+    with pytest.raises(ValueError, match="reshapes the model"):  # a Control LoRA would widen the skeleton only
+        pipe.add_lora("control", str(_control_lora(Path(files["ink"]).parent, pipe.transformer)))
+    assert pipe.loras == {"fog": files["fog"]} and "control" not in pipe.transformer.peft_config
+    assert torch.equal(pipe.generate([_req((("fog", 1.0),))])[0].latents, before.latents)
+
+
+def _control_lora(folder: Path, transformer: torch.nn.Module) -> Path:
+    """An adapter whose input projection takes twice the channels (as FLUX Control LoRAs do)."""
+    from safetensors.torch import save_file
+
+    x = transformer.x_embedder
+    path = folder / "control.safetensors"
+    save_file({"transformer.x_embedder.lora_A.weight": torch.ones(2, 2 * x.in_features),
+               "transformer.x_embedder.lora_B.weight": torch.ones(x.out_features, 2)}, str(path))
+    return path
 
 
 def _foreign_lora(folder: Path) -> Path:
