@@ -37,6 +37,8 @@ CANCEL_POLL_S = 0.05
 
 
 class Engine(Protocol):
+    # The results' PNGs are left pending (their `image`): the replica encodes each after the batch call returns
+    # (`PoolReplica.finish`), while the next batch runs.
     async def generate(self, requests: list[GenerationRequest], should_stop: Callable[[], bool],
                        previews: PreviewSink | None = None) -> list[GenerationResult]: ...
 
@@ -85,7 +87,8 @@ class LocalEngine:
 
     async def generate(self, requests: list[GenerationRequest], should_stop: Callable[[], bool],
                        previews: PreviewSink | None = None) -> list[GenerationResult]:
-        return await asyncio.to_thread(self.pipe.generate, requests, should_stop=should_stop, previews=previews)
+        return await asyncio.to_thread(self.pipe.generate, requests, should_stop=should_stop, previews=previews,
+                                       encode=False)
 
     async def check_health(self) -> None:
         return None  # a live process is a live engine: the batch runs in this actor
@@ -195,7 +198,7 @@ class TPEngine:
         if self.broken:
             raise PoolUnavailable(self.broken)
         steps = previews.steps if previews is not None else ()
-        refs = [w.generate.remote(requests, steps) for w in self.workers]
+        refs = [w.generate.remote(requests, steps, False) for w in self.workers]  # rank 0 leaves its PNGs to us
         batch = asyncio.ensure_future(asyncio.gather(*refs))
 
         async def forward_previews() -> None:

@@ -26,7 +26,7 @@ from deployments.engine import Engine, make_engine
 from deployments.errors import BadRequest, GenerationFailed, OutOfMemory, PoolUnavailable
 from model.pipeline import GenerationCancelled
 from model.preview import PreviewSink, preview_steps
-from model.request import GenerationRequest
+from model.request import GenerationRequest, png_bytes
 
 logger = logging.getLogger("ray.serve")
 
@@ -129,7 +129,8 @@ class PoolReplica:
         self._images += len(results)
         return [
             {
-                "png": r.png,
+                "png": r.png,  # None until `finish` encodes `image`, after the batch call has returned
+                "image": r.image,
                 "seed": int(r.seed),
                 "quality": r.quality,
                 "ran": r.ran.as_dict(),
@@ -140,6 +141,14 @@ class PoolReplica:
             }
             for r in results
         ]
+
+    async def finish(self, result: dict[str, Any]) -> dict[str, Any]:
+        """Encode a result's PNG if its batch left it pending. Each request does it in its own call, after the batch
+        call returned: the next batch gathers and denoises meanwhile."""
+        image = result.pop("image", None)
+        if result["png"] is None:
+            result["png"] = await asyncio.to_thread(png_bytes, image)
+        return result
 
     async def sync_adapters(self, wanted: dict[str, str]) -> list[str]:
         """Load the API's adapters `wanted` now (between batches), dropping those no longer in it; returns the names
@@ -184,7 +193,7 @@ class PoolReplica:
                 if kind == "done":
                     break
                 yield event
-            yield {"final": work.result()[0]}  # raises the batch's error, as a batch would
+            yield {"final": await self.finish(work.result()[0])}  # raises the batch's error, as a batch would
         finally:
             if not work.done():  # the stream was closed or cancelled before the image was done
                 ticket.cancelled.set()
@@ -226,7 +235,7 @@ class FluxReplica:  # pragma: no mutate block
             ticket.cancelled.set()
             raise
         if status == "ok":
-            return value
+            return await self.core.finish(value)
         raise value
 
     async def generate_stream(self, job: GenerationRequest, partial_images: int,

@@ -34,12 +34,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class GenerationResult:
-    png: bytes
+    png: bytes | None  # None until `encode_pngs` (a batch generated with encode=False): then `image` holds it
     latents: torch.Tensor  # final latents of this request, unpacked [16, H/8, W/8], on the CPU
     seed: int
     quality: Quality
     ran: Ran = Ran()  # what the batch ran with (sites per kernel kind, the transformer's form, graphs, adapters)
     timings: dict[str, float] = field(default_factory=dict)
+    image: Any = field(default=None, repr=False)  # the decoded PIL image while its PNG is not encoded yet
+
+
+def encode_pngs(results: list[GenerationResult]) -> list[GenerationResult]:
+    """Encode the PNGs a batch left pending (generate(encode=False)): a replica does it after letting go of its
+    pipeline, so the next batch denoises meanwhile. The bytes are what generate() would have made."""
+    for r in results:
+        if r.png is None:
+            r.png, r.image = png_bytes(r.image), None
+    return results
 
 
 class GenerationCancelled(RuntimeError):
@@ -94,12 +104,12 @@ def edit_pipeline(pipe: Any, inpaint: bool) -> Any:
 
 def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bool = False,
                       should_stop: Callable[[], bool] | None = None,
-                      previews: PreviewSink | None = None) -> tuple[list[torch.Tensor], list[bytes]]:
+                      previews: PreviewSink | None = None, encode: bool = True) -> tuple[list[torch.Tensor], list[Any]]:
     """Run any diffusers FluxPipeline (ours or the stock reference) on one uniform batch.
 
-    Returns (unpacked final latents per request on the CPU, PNG bytes per request). The same call is used for our
-    pipeline and for the reference, so the two can only differ through their transformers. `previews`: partial
-    images after the steps it names (model/preview.py); they only read the latents.
+    Returns (unpacked final latents per request on the CPU, PNG bytes per request; encode=False: the PIL images).
+    The same call is used for our pipeline and for the reference, so the two can only differ through their
+    transformers. `previews`: partial images after the steps it names (model/preview.py); they only read the latents.
     """
     import torch
 
@@ -158,7 +168,7 @@ def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bo
     ).images
     latents = pipe._unpack_latents(final["latents"], first.height, first.width, pipe.vae_scale_factor)
     latents = latents.cpu()
-    return [latents[i].clone() for i in range(len(requests))], [png_bytes(im) for im in images]
+    return [latents[i].clone() for i in range(len(requests))], [png_bytes(im) if encode else im for im in images]
 
 
 def _warm_batches(sizes: list[tuple[int, int]], batch_sizes: list[int] | tuple[int, ...], steps: int,
@@ -508,11 +518,12 @@ class FluxServePipeline:
                  should_stop: Callable[[], bool] | None = None,
                  compiled: bool | None = None, cuda_graphs: bool | None = None,
                  agree: Callable[[bool], bool] | None = None,
-                 previews: PreviewSink | None = None) -> list[GenerationResult]:
+                 previews: PreviewSink | None = None, encode: bool = True) -> list[GenerationResult]:
         """Generate one uniform batch under its tier's plan (`plan`), applied for this batch only
         (`model.tiers.applied_tier`). "high" mounts the GELU sites; if the kernels refuse (e.g. on the CPU) it runs
         unfused and every result's `ran.gelu_sites` is 0. agree: the TP ranks' agreement on the mount (see
-        applied_tier). previews: partial images while it denoises (the results do not change)."""
+        applied_tier). previews: partial images while it denoises (the results do not change). encode=False: the
+        PNGs are left to `encode_pngs`, outside this pipeline's lock."""
         validate_batch(requests)
         quality = requests[0].quality
         plan = self.plan(quality, compiled, cuda_graphs, step_cache=requests[0].step_cache)
@@ -525,7 +536,8 @@ class FluxServePipeline:
                 if report.mount_report is not None:
                     self.last_mount_report = report.mount_report
                 t1 = time.perf_counter()
-                latents, pngs = run_flux_pipeline(self.pipe, requests, progress, should_stop, previews)
+                latents, images = run_flux_pipeline(self.pipe, requests, progress, should_stop, previews,
+                                                    encode=False)
             _sync(self.device)
             t2 = time.perf_counter()
             graphed = self._step_graphs is not None and self._step_graphs.replays > replays
@@ -543,8 +555,9 @@ class FluxServePipeline:
                   fused_projections=self.fused_projections, compiled=plan.compiled, graphed=graphed,
                   step_cache=plan.step_cache, adapters=requests[0].loras,
                   fused_adapter=self.fused_lora)
-        return [GenerationResult(png=png, latents=lat, seed=r.seed, quality=quality, ran=ran, timings=dict(timings))
-                for r, lat, png in zip(requests, latents, pngs)]
+        results = [GenerationResult(png=None, image=im, latents=lat, seed=r.seed, quality=quality, ran=ran,
+                                    timings=dict(timings)) for r, lat, im in zip(requests, latents, images)]
+        return encode_pngs(results) if encode else results
 
     def release_memory(self) -> None:
         """Hand freed device memory back (after a failed, e.g. out-of-memory, batch, or after a conversion)."""

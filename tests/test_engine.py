@@ -49,8 +49,9 @@ class _Rank:
         self.take_previews = _Method(self._take_previews)
         self.shutdown = _Method(lambda: None)
 
-    async def _generate(self, requests: list, steps: tuple) -> list | None:
+    async def _generate(self, requests: list, steps: tuple, encode: bool = True) -> list | None:
         self.generate_calls += 1
+        self.encoded = encode
         await asyncio.sleep(self.batch_s)
         if self.fails_with is not None:
             raise self.fails_with
@@ -181,7 +182,12 @@ def test_the_local_engine_serves_the_pools_settings(tiny_path, threads, caplog) 
     assert high.stats()["cuda_graphs"] == p.step_graphs.stats() and p.cuda_graphs_enabled
     job = [GenerationRequest("a red fox", height=64, width=64, steps=2, seed=1, quality="high")]
     (result,) = _run(high.generate(job, lambda: False))
+    assert result.png is None and result.image.size == (64, 64)  # left for the replica to encode
+    from model.pipeline import encode_pngs
+
+    encode_pngs([result])
     assert result.quality == "high" and result.png.startswith(b"\x89PNG") and result.timings["cached_steps"] >= 0
+    assert result.image is None
     assert _run(high.check_health()) is None and high.actor_names() == []
     high.release_memory()
 
@@ -390,17 +396,18 @@ def test_rank_previews_and_messages_reach_the_caller() -> None:
     ranks = [_Rank(0, batch_s=0.15), _Rank(1, batch_s=0.15)]
     asked: list[tuple] = []
     for r in ranks:
-        r.generate = _Method(lambda reqs, steps, r=r: asked.append((r.rank, steps)) or r._generate(reqs, steps))
+        r.generate = _Method(lambda reqs, steps, encode, r=r: asked.append((r.rank, steps, encode))
+                             or r._generate(reqs, steps))
     ranks[0].take_previews = _Method(lambda: _async([(0, 3, [b"p0"]), (1, 5, [b"p1"])]))
     ranks[1].take_previews = _Method(lambda: _async([(9, 9, [b"wrong rank"])]))
     e = _engine(*ranks)
     got: list = []
     sink = PreviewSink((3, 5), lambda *a: got.append(a))
     assert _run(e.generate(JOB, lambda: False, sink)) == ["image of rank 0"]
-    assert asked == [(0, (3, 5)), (1, (3, 5))]
+    assert asked == [(0, (3, 5), False), (1, (3, 5), False)]  # rank 0 leaves its PNGs to the replica
     assert got[:2] == [(0, 3, [b"p0"]), (1, 5, [b"p1"])] and (9, 9, [b"wrong rank"]) not in got
     asked.clear()
-    assert _run(e.generate(JOB, lambda: False)) == ["image of rank 0"] and asked == [(0, ()), (1, ())]
+    assert _run(e.generate(JOB, lambda: False)) == ["image of rank 0"] and asked == [(0, (), False), (1, (), False)]
 
     cancels = []
     for r in ranks:

@@ -711,3 +711,14 @@ def test_warm_a_shape_outside_the_warm_set_is_logged_once_with_its_time(tiny_pat
     cold = [r.getMessage() for r in caplog.records if "outside the warm set" in r.getMessage()]
     assert [m.split(":")[0] for m in cold] == ["first lossless batch of 96x64 x1, outside the warm set",
                                                "first lossless batch of 64x64 x2, outside the warm set"], cold
+
+
+def test_a_batch_may_leave_its_pngs_to_encode_later_and_they_are_the_same_bytes(tiny_pipe) -> None:
+    from model.pipeline import encode_pngs
+
+    batch = [GenerationRequest("a red fox", height=64, width=64, steps=2, seed=s) for s in (1, 2)]
+    pending = tiny_pipe.generate(batch, encode=False)
+    assert [r.png for r in pending] == [None, None] and all(r.image.size == (64, 64) for r in pending)
+    done = tiny_pipe.generate(batch)
+    assert [r.png for r in encode_pngs(pending)] == [r.png for r in done] and pending[0].image is None
+    assert all(torch.equal(a.latents, b.latents) for a, b in zip(pending, done))

@@ -259,3 +259,55 @@ def test_a_job_naming_an_api_adapter_loads_the_registry_set_first_and_once() -> 
     assert "could not be loaded: ValueError: Target modules" in err.message
     assert len(engine.calls) == 4  # the failed sync ran no batch ...
     assert len(engine.syncs) == 3  # ... and the next job syncs again from scratch
+
+
+class _SlowImage:
+    """A decoded image whose PNG encoding takes a while and notes what the replica was doing meanwhile."""
+
+    def __init__(self, replica: PoolReplica, engine: _Engine, seed: int) -> None:
+        self.replica, self.engine, self.seed = replica, engine, seed
+        self.seen: dict[str, Any] = {}
+
+    def save(self, buf: Any, format: str, compress_level: int) -> None:
+        import time
+
+        self.seen["locked"] = self.replica._busy.locked()
+        before = len(self.engine.calls)
+        time.sleep(0.3)
+        self.seen["batches_meanwhile"] = len(self.engine.calls) - before
+        buf.write(b"png of %d" % self.seed)
+
+
+def test_pngs_are_encoded_after_the_batch_call_so_the_next_batch_runs_meanwhile() -> None:
+    """The engines leave PNGs pending; a batch call returns them so (Serve then starts the next batch call), and
+    each request encodes its own (`finish`, as FluxReplica.generate and streams do) while the next batch runs."""
+    replica, engine = _replica("lossless")
+    images: list[_SlowImage] = []
+    real = engine.generate
+
+    async def pending(requests, should_stop, previews=None):
+        results = await real(requests, should_stop, previews)
+        for r in results:
+            images.append(_SlowImage(replica, engine, r.seed))
+            r.png, r.image = None, images[-1]
+        return results
+
+    engine.generate = pending
+    returned: list = []
+
+    async def request(seed: int) -> dict:  # what FluxReplica.generate does with its ticket
+        ((status, value),) = await replica.run_tickets([_Ticket(GenerationRequest("a", seed=seed))])
+        returned.append(value["png"])
+        return await replica.finish(value)
+
+    async def run() -> list:
+        first = asyncio.ensure_future(request(1))
+        await asyncio.sleep(0.05)
+        return await asyncio.gather(first, request(2))
+
+    a, b = asyncio.run(run())
+    assert returned == [None, None]  # the batch calls returned before any encoding
+    assert (a["png"], b["png"]) == (b"png of 1", b"png of 2") and "image" not in a
+    assert [im.seen["locked"] for im in images] == [False, False]  # never while holding the pipeline
+    assert images[0].seen["batches_meanwhile"] == 1  # the second batch ran while the first encoded
+    assert not engine.overlapped  # and still one pipeline call at a time

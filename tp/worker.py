@@ -101,9 +101,12 @@ class TPWorker:
             **warmup_report(pipe),
         }
 
-    def generate(self, requests: list[GenerationRequest], preview_steps: tuple[int, ...] = ()) -> list | None:
+    def generate(self, requests: list[GenerationRequest], preview_steps: tuple[int, ...] = (),
+                 encode: bool = True) -> list | None:
         """Run one batch (SPMD: every rank gets the same call). Rank 0 returns the results, others None.
-        preview_steps: rank 0 keeps partial images after these steps for `take_previews`."""
+        preview_steps: rank 0 keeps partial images after these steps for `take_previews`. encode=False: rank 0's
+        results carry their images, for the caller to encode (`model.pipeline.encode_pngs`) while the ranks run
+        the next batch."""
         from model.preview import PreviewSink
 
         if self.pipe is None:
@@ -116,7 +119,7 @@ class TPWorker:
         # shapes, silently different images). The mount's local verdict is agreed over the control group; a refusal
         # anywhere runs the batch unmounted everywhere (reported as mounted_sites=0).
         results = self.pipe.generate(list(requests), should_stop=self._should_stop,
-                                     agree=self._agree, previews=previews)
+                                     agree=self._agree, previews=previews, encode=encode)
         return results if self.rank == 0 else None
 
     def sync_loras(self, wanted: dict[str, str]) -> dict[str, list[str]]:
