@@ -104,20 +104,30 @@ def test_runtime_adapters_are_refused_on_a_converted_or_fused_transformer(tiny_p
     with pytest.raises(ValueError, match="no_such_block"):  # diffusers says which layers it did not find
         pipe.add_lora("other", str(_foreign_lora(Path(files["ink"]).parent)))
     before = pipe.generate([_req((("fog", 1.0),))])[0]
-    with pytest.raises(ValueError, match="reshapes the model"):  # a Control LoRA would widen the skeleton only
-        pipe.add_lora("control", str(_control_lora(Path(files["ink"]).parent, pipe.transformer)))
+    for kind in ("widened", "norms"):  # a Control LoRA would change the skeleton only
+        with pytest.raises(ValueError, match="reshapes the model"):
+            pipe.add_lora("control", str(_control_lora(Path(files["ink"]).parent, pipe.transformer, kind)))
     assert pipe.loras == {"fog": files["fog"]} and "control" not in pipe.transformer.peft_config
     assert torch.equal(pipe.generate([_req((("fog", 1.0),))])[0].latents, before.latents)
 
 
-def _control_lora(folder: Path, transformer: torch.nn.Module) -> Path:
-    """An adapter whose input projection takes twice the channels (as FLUX Control LoRAs do)."""
+def _control_lora(folder: Path, transformer: torch.nn.Module, kind: str) -> Path:
+    """What FLUX Control LoRAs carry beside LoRA pairs: an input projection taking twice the channels ("widened"),
+    or new QK-norm weights ("norms")."""
     from safetensors.torch import save_file
 
     x = transformer.x_embedder
-    path = folder / "control.safetensors"
-    save_file({"transformer.x_embedder.lora_A.weight": torch.ones(2, 2 * x.in_features),
-               "transformer.x_embedder.lora_B.weight": torch.ones(x.out_features, 2)}, str(path))
+    path = folder / f"control-{kind}.safetensors"
+    if kind == "widened":
+        sd = {"transformer.x_embedder.lora_A.weight": torch.ones(2, 2 * x.in_features),
+              "transformer.x_embedder.lora_B.weight": torch.ones(x.out_features, 2)}
+    else:
+        q = transformer.transformer_blocks[0].attn.to_q
+        sd = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(2, q.in_features),
+              "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(q.out_features, 2),
+              "transformer.transformer_blocks.0.attn.norm_q.weight": torch.full(
+                  transformer.transformer_blocks[0].attn.norm_q.weight.shape, 2.0)}
+    save_file(sd, str(path))
     return path
 
 
