@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         cached = sum(r.timings.get("cached_steps", 0.0) for r in results) / (len(results) * a.steps)
         result["adherence"][name] = {**adh.to_dict(), "seconds": time.perf_counter() - t0,
                                      "cached_steps_fraction": cached, **setup}
-        print(f"{name}: adherence {adh.fraction:.4f} failed {adh.failed} cached steps {cached:.2f}", flush=True)
+        print(f"{name}: adherence {adh.fraction:.4f} failed {adh.failed} colour confusions {adh.confusions} "
+              f"cached steps {cached:.2f}", flush=True)
 
     pipe = load_pipeline(a.model, device=a.device, dtype=torch.float32)
     run("lossless", pipe, "lossless")

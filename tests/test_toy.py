@@ -38,6 +38,21 @@ def test_checker_notices_each_kind_of_mistake() -> None:
         assert not s.details[key] and s.held == s.stated - (4 if key == "1.place" else 1), (key, s.details)
 
 
+def test_the_checker_counts_which_colour_was_drawn_for_which() -> None:
+    """An orange shape read as yellow is counted as "orange->yellow" (the toy's common mix-up), per shape and over
+    many images; right colours and missing shapes are not confusions."""
+    from model.toy.checker import score_all
+
+    drawn = Scene("black", (Shape("circle", "yellow", "large", "left"), Shape("square", "blue", "small", "right")))
+    img = render(drawn).numpy()
+    asked = Scene("black", (Shape("circle", "orange", "large", "left"), Shape("square", "blue", "small", "right"),
+                            Shape("triangle", "red", "small", "top")))
+    assert score(img, asked).confusions == (("orange", "yellow"),)
+    adh = score_all([img, img, render(asked).numpy()], [asked, asked, asked])
+    assert adh.confusions == {"orange->yellow": 2} and adh.to_dict()["colour_confusions"] == {"orange->yellow": 2}
+    assert score(img, drawn).confusions == ()
+
+
 def test_captions_round_trip_and_bad_ones_are_named() -> None:
     rng = random.Random(3)
     for _ in range(100):

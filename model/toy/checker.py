@@ -11,7 +11,7 @@ gives the place. A cell with no blob fails all four attributes of its shape.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
@@ -74,6 +74,8 @@ class Score:
     held: int
     stated: int
     details: dict[str, bool]
+    # (stated colour, colour read) of each shape found whose colour is wrong: which colours the model mixes up
+    confusions: tuple[tuple[str, str], ...] = ()
 
     @property
     def fraction(self) -> float:
@@ -87,11 +89,14 @@ def score(img: np.ndarray, scene: Scene | str) -> Score:
     img = np.asarray(img)[..., :3]
     background, rgb = background_of(img)
     details = {"background": background == scene.background}
+    confusions = []
     for i, s in enumerate(scene.shapes):
         r = read_cell(img, s.place, rgb)
         details.update({f"{i}.colour": r.found and r.colour == s.colour, f"{i}.kind": r.found and r.kind == s.kind,
                         f"{i}.size": r.found and r.size == s.size, f"{i}.place": r.found and r.centred})
-    return Score(sum(details.values()), len(details), details)
+        if r.found and r.colour != s.colour:
+            confusions.append((s.colour, r.colour))
+    return Score(sum(details.values()), len(details), details, tuple(confusions))
 
 
 @dataclass(frozen=True)
@@ -99,16 +104,19 @@ class Adherence:
     fraction: float  # stated attributes that hold, over all images
     per_prompt: list[float]
     failed: dict[str, int]  # attribute kind -> how often it failed
+    # "stated->read" -> how often a shape of the stated colour was drawn in the other (e.g. "orange->yellow")
+    confusions: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"adherence": self.fraction, "per_prompt": self.per_prompt, "failed": self.failed}
+        return {"adherence": self.fraction, "per_prompt": self.per_prompt, "failed": self.failed,
+                "colour_confusions": self.confusions}
 
 
 def score_all(images: Iterable[np.ndarray], scenes: Iterable[Scene | str]) -> Adherence:
     """Many images, each against its scene or caption: the fraction of all stated attributes that hold, each
     image's own fraction, and which kinds of attribute failed how often."""
     held = stated = 0
-    per_prompt, failed = [], {}
+    per_prompt, failed, confusions = [], {}, {}
     for img, scene in zip(images, scenes):
         s = score(img, scene)
         held, stated = held + s.held, stated + s.stated
@@ -117,4 +125,7 @@ def score_all(images: Iterable[np.ndarray], scenes: Iterable[Scene | str]) -> Ad
             if not ok:
                 kind = key.split(".")[-1]
                 failed[kind] = failed.get(kind, 0) + 1
-    return Adherence(held / stated, per_prompt, failed)
+        for stated_colour, read in s.confusions:
+            key = f"{stated_colour}->{read}"
+            confusions[key] = confusions.get(key, 0) + 1
+    return Adherence(held / stated, per_prompt, failed, dict(sorted(confusions.items(), key=lambda kv: -kv[1])))
