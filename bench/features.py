@@ -6,6 +6,8 @@ One process, one set of weights (default: the flux-dev-random preset, FLUX.1-dev
   lora        the same with one LoRA adapter active (rank `--lora-rank` on q/v/out, FF down and the single blocks'
               MLP / output projections; PEFT layers through diffusers' loader)
   lora_fused  the adapter fused into the weights (`fuse_lora`, a pool serving one adapter); timed after the others
+Also timed: switching the active adapter set between batches, and loading / unloading an adapter while serving (the
+runtime path of `POST / DELETE /v1/adapters`).
   img2img     an edit at `--strength` (runs strength x steps denoising steps, plus the VAE encode)
   inpaint     the same with a mask
 Each variant's last image is compared with stock diffusers (the reference pipeline with diffusers' transformer, the
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="features"))
     lora = write_random_lora(ours.transformer, tmp / "adapter.safetensors", seed=1, rank=args.lora_rank, std=2e-3)
+    second = write_random_lora(ours.transformer, tmp / "second.safetensors", seed=2, rank=args.lora_rank, std=2e-3)
     ours.load_loras({"adapter": str(lora)})
     reference.load_lora_weights(str(lora), adapter_name="adapter")
     image = random_png(3, (args.size, args.size))
@@ -101,6 +104,33 @@ def main(argv: list[str] | None = None) -> int:
                        "png_md5": md5(ref_pngs[0]) == md5(last[name].png)}
         print(f"  {name}: equal to stock diffusers {equal[name]}", flush=True)
 
+    # Adapters while serving: switching the active set between two batches (what a batch naming other adapters
+    # costs before its first step), and loading / unloading one through the runtime path (POST / DELETE
+    # /v1/adapters), whose images must equal stock diffusers with the same file loaded its own way.
+    def switch() -> None:
+        for loras in ((("adapter", 1.0),), ()):
+            ours._activate_loras(loras)
+
+    switch_s = [timed(switch)[0] / 2 for _ in range(20)]
+    add_s, remove_s = [], []
+    for _ in range(3):
+        add_s.append(timed(lambda: ours.add_lora("second", str(second)))[0])
+        remove_s.append(timed(lambda: ours.remove_lora("second"))[0])
+    ours.add_lora("second", str(second))
+    runtime = GenerationRequest(**base, loras=(("second", 1.0),))
+    got = ours.generate([runtime])[0]
+    reference.load_lora_weights(str(second), adapter_name="second")
+    reference.enable_lora()
+    reference.set_adapters(["second"], [1.0])
+    ref_latents, ref_pngs = run_flux_pipeline(reference, [runtime])
+    equal["lora_runtime"] = {"latents": bool(torch.equal(ref_latents[0], got.latents)),
+                             "png_md5": md5(ref_pngs[0]) == md5(got.png)}
+    reference.delete_adapters(["second"])
+    ours.remove_lora("second")
+    print(f"  adapter switch {1000 * statistics.median(switch_s):.2f} ms, runtime load "
+          f"{statistics.median(add_s):.2f} s, unload {statistics.median(remove_s):.3f} s, equal to stock diffusers "
+          f"{equal['lora_runtime']}", flush=True)
+
     # A pool serving one adapter fuses it (fuse_lora): timed after the others (the fusion cannot be undone here).
     ours.fuse_lora("adapter")
     times["lora_fused"] = []
@@ -131,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         "ms_per_denoising_step": {k: 1000 * med[k] / denoise[k] for k in med},
         "lora_overhead": med["lora"] / med["text"] - 1.0,
         "lora_fused_overhead": med["lora_fused"] / med["text"] - 1.0,  # timed after the others, not interleaved
+        "adapter_switch_ms": 1000 * statistics.median(switch_s),  # one set_adapters / disable_lora, host side
+        "runtime_adapter_load_s": statistics.median(add_s), "runtime_adapter_unload_s": statistics.median(remove_s),
         "equal_to_diffusers": equal, "random_weights": True,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
