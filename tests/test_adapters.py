@@ -131,6 +131,19 @@ def _control_lora(folder: Path, transformer: torch.nn.Module, kind: str) -> Path
     return path
 
 
+def test_an_adapter_loaded_while_serving_kontext_edits_as_one_loaded_at_start(kontext_path: Path,
+                                                                              files: dict[str, str]) -> None:
+    """The runtime path is the family's own loader: a FLUX.1 Kontext pipeline takes it too."""
+    from tests._inputs import random_png
+
+    start, runtime = load_pipeline(str(kontext_path)), load_pipeline(str(kontext_path))
+    start.load_loras({"fog": files["fog"]})
+    runtime.add_lora("fog", files["fog"])
+    edit = GenerationRequest("make it red", height=64, width=64, steps=2, seed=3, image=random_png(1), strength=1.0,
+                             loras=(("fog", 0.8),))
+    assert torch.equal(runtime.generate([edit])[0].latents, start.generate([edit])[0].latents)
+
+
 def _foreign_lora(folder: Path) -> Path:
     """An adapter for layers this transformer does not have."""
     from safetensors.torch import save_file

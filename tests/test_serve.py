@@ -258,7 +258,7 @@ def test_runtime_adapters_load_serve_and_unload_through_the_api(serve_app: dict,
 
     from model.loading import load_pipeline
     from model.pipeline import GenerationRequest
-    from tests._inputs import png_psnr, write_random_lora
+    from tests._inputs import data_url, png_psnr, random_png, write_random_lora
 
     folder = tmp_path / "loras"
     folder.mkdir()
@@ -288,6 +288,15 @@ def test_runtime_adapters_load_serve_and_unload_through_the_api(serve_app: dict,
         tp2 = requests.post(url + "/v1/images/generations", json={**body, "quality": "high"}, timeout=120).json()
         got = base64.b64decode(tp2["data"][0]["b64_json"])
         assert png_psnr(got, direct) >= 40 > png_psnr(got, plain), (png_psnr(got, direct), png_psnr(got, plain))
+        # streamed, and an edit: the job carries the set on those paths too
+        with httpx.stream("POST", url + "/v1/images/generations", timeout=120, json={**body, "stream": True}) as r:
+            events = _sse_events(r)
+        assert events[-1][0] == "image_generation.completed" and base64.b64decode(events[-1][1]["b64_json"]) == direct
+        source = random_png(5)
+        edit = requests.post(url + "/v1/images/edits", timeout=120, json={
+            **body, "images": [{"image_url": data_url(source)}], "strength": 0.7}).json()
+        assert base64.b64decode(edit["data"][0]["b64_json"]) == _direct(pipe, GenerationRequest(
+            "a fox", height=64, width=64, steps=2, seed=4, loras=(("fog", 0.8),), image=source, strength=0.7))
         for file, message in (("../fog.safetensors", "outside the adapter folder"),
                               ("foreign.safetensors", "adapter 'bad' does not load")):
             r = requests.post(url + "/v1/adapters", json={"name": "bad", "file": file}, timeout=120)
@@ -1195,7 +1204,7 @@ def test_the_tp2_high_pool_takes_step_cache_and_per_request_lora(serve_app: dict
 
     from model.loading import load_pipeline
     from model.pipeline import GenerationRequest
-    from tests._inputs import png_psnr, write_random_lora
+    from tests._inputs import data_url, png_psnr, random_png, write_random_lora
 
     client = openai.OpenAI(base_url=serve_app["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
     body = {"seed": 4, "steps": 6, "quality": "high"}
