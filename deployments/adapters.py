@@ -27,6 +27,11 @@ logger = logging.getLogger("ray.serve")
 STATE_FILE = ".fluxserve-adapters.json"
 
 
+def adapter_folder(lora_dir: str) -> Path:
+    """The adapter folder as files in it are named: absolute, links resolved."""
+    return Path(lora_dir).expanduser().resolve()
+
+
 class NotFound(LookupError):
     """No such adapter: a 404."""
 
@@ -35,7 +40,7 @@ class AdapterStore:
     """The registry itself (plain Python; the deployment below holds one)."""
 
     def __init__(self, lora_dir: str, configured: list[str], max_count: int) -> None:
-        self.root = Path(lora_dir).expanduser().resolve()
+        self.root = adapter_folder(lora_dir)
         self.configured = frozenset(configured)  # loaded at start from args.loras: not the API's to change
         self.max_count = int(max_count)
         self._adapters: dict[str, str] = {}

@@ -27,6 +27,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments import auth, body
+from deployments.adapters import adapter_folder
 from deployments.playground import playground_page
 from deployments.config import AppArgs
 from deployments.errors import BadRequest, GenerationFailed, OutOfMemory, PoolUnavailable
@@ -384,7 +385,7 @@ class Ingress:
 
     def _adapter_file(self, path: str) -> str:
         """An adapter file as the API names it: relative to the adapter folder."""
-        return os.path.relpath(path, os.path.realpath(os.path.expanduser(self.args.lora_dir or "/")))
+        return os.path.relpath(path, adapter_folder(self.args.lora_dir or "/"))
 
     @api.get("/v1/images/files/{file_id}", name="image_file", responses={
         200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}, "description": "the image"},
