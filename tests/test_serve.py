@@ -1204,7 +1204,7 @@ def test_the_tp2_high_pool_takes_step_cache_and_per_request_lora(serve_app: dict
 
     from model.loading import load_pipeline
     from model.pipeline import GenerationRequest
-    from tests._inputs import data_url, png_psnr, random_png, write_random_lora
+    from tests._inputs import png_psnr, write_random_lora
 
     client = openai.OpenAI(base_url=serve_app["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
     body = {"seed": 4, "steps": 6, "quality": "high"}

@@ -6,6 +6,7 @@ than the same pipeline with random transformer weights."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
