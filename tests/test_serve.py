@@ -1279,9 +1279,9 @@ def test_hostile_bodies_get_4xx_and_the_app_keeps_serving(serve_app: dict) -> No
 
 def test_fuzz_the_api_from_its_own_openapi_schema(serve_app: dict, tmp_path: Path) -> None:
     """Schemathesis drives the served app from its own OpenAPI document (positive and negative cases, then stateful
-    sequences; bounded limits so a valid request is cheap on the CPU), with API keys off and on: >= 500 generated
-    requests each time, every response a documented status with a conforming body, never a 5xx; then the app
-    still serves a good request."""
+    sequences; bounded limits so a valid request is cheap on the CPU), with API keys off and on (the second app with
+    the adapter API on too): >= 500 generated requests each time, every response a documented status with a
+    conforming body, never a 5xx; then the app still serves a good request."""
     import shutil
 
     import requests
@@ -1291,9 +1291,11 @@ def test_fuzz_the_api_from_its_own_openapi_schema(serve_app: dict, tmp_path: Pat
         pytest.skip("schemathesis is not installed")
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-fuzz-key\n")
+    (tmp_path / "loras").mkdir()  # the adapter API on (an empty folder: every load is refused with a reason)
     limits = {"max_side": 128, "max_pixels": 128 * 128, "max_steps": 3, "max_n": 2, "max_prompt_chars": 200}
-    for name, extra, headers in (("fuzz", {}, []), ("fuzzkeys", {"api_keys_file": str(keys)},
-                                                    ["-H", "Authorization: Bearer sk-fuzz-key"])):
+    for name, extra, headers in (("fuzz", {}, []),
+                                 ("fuzzkeys", {"api_keys_file": str(keys), "lora_dir": str(tmp_path / "loras")},
+                                  ["-H", "Authorization: Bearer sk-fuzz-key"])):
         with _side_app(serve_app, name, limits=limits, default_steps=2, default_size="64x64", **extra) as app:
             report = tmp_path / f"{name}.json"
             run = subprocess.run(
