@@ -1,13 +1,14 @@
-"""FLUX.1 presets (and FLUX.1 Kontext ones), offline: random-weight ones built deterministically in code, and a trained one shipped.
+"""FLUX.1 presets (and FLUX.1 Kontext ones), offline: random-weight ones built deterministically in code, and a
+trained one shipped.
 
 - `tiny` (default) and `tiny-schnell`: every code path of the real pipeline (CLIP + T5 text encoders, guidance
   embedding for `tiny`, none for `tiny-schnell`, a 4-level VAE with 16 latent channels) at toy sizes. Built once on
   the CPU in float32 from a fixed seed, saved in diffusers format under the cache dir (env FLUXSERVE_CACHE, default
   ~/.cache/fluxserve), then loaded through the same `load_pipeline` path as a real checkpoint.
 - `tiny-kontext`: `tiny` in FLUX.1 Kontext's pipeline (image-conditioned edits).
-- `flux-dev-random` / `flux-schnell-random` / `flux-kontext-random`: the full FLUX.1 architecture (19 + 38 blocks, 3072 hidden, T5-XXL and
-  CLIP-L sized encoders, the FLUX VAE) with random weights, for GPU benchmarks. ~24 GB in bf16, so they are built
-  directly on the target device in memory and never written to disk.
+- `flux-dev-random` / `flux-schnell-random` / `flux-kontext-random`: the full FLUX.1 architecture (19 + 38 blocks,
+  3072 hidden, T5-XXL and CLIP-L sized encoders, the FLUX VAE) with random weights, for GPU benchmarks. ~24 GB in
+  bf16, so they are built directly on the target device in memory and never written to disk.
 
 - `toy`: trained (model/toy/train.py) to draw captions of a procedural scene world (model/toy/scenes.py) at
   256x256; its weights are shipped in the repository (`SHIPPED`), so nothing is built or downloaded.
@@ -26,11 +27,12 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator
 
 from model.family import ModelFamily, family_of
+
+if TYPE_CHECKING:  # torch is imported where weights are built: naming presets (the CLI's help) loads no torch
+    import torch
 
 # Bump when a preset recipe changes: cached folders of older recipes are then ignored, not silently reused.
 PRESET_VERSION = 1
@@ -111,7 +113,7 @@ def preset_names() -> list[str]:
 
 
 def preset_family(name: str) -> ModelFamily:
-    """The model family of random-weights preset `name` (torch-free: nothing is built)."""
+    """The model family of random-weights preset `name` (nothing is built)."""
     return family_of(_spec(name).pipeline)
 
 
@@ -132,6 +134,8 @@ def cache_dir() -> Path:
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Create floating-point parameters directly in `dtype` inside this block."""
+    import torch
+
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -140,13 +144,14 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_components(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+def build_components(name: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                      seed: int | None = None) -> dict[str, Any]:
     """Build a preset's FluxPipeline components with diffusers'/transformers' own classes and random weights.
 
-    Parameters are created directly on `device` in `dtype` (no float32 copy, no host round trip): this is what makes
-    the full-size presets quick to make on a GPU. Deterministic for a given seed, device and dtype.
+    Parameters are created directly on `device` in `dtype` (default float32; no float32 copy, no host round trip):
+    this is what makes the full-size presets quick to make on a GPU. Deterministic for a given seed, device and dtype.
     """
+    import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
@@ -173,7 +178,7 @@ def build_components(name: str, device: str | torch.device = "cpu", dtype: torch
         mid_block_add_attention=True, **spec.vae,
     )
     torch.manual_seed(spec.seed if seed is None else seed)
-    with torch.device(device), default_dtype(dtype), torch.no_grad():
+    with torch.device(device), default_dtype(torch.float32 if dtype is None else dtype), torch.no_grad():
         transformer = FluxTransformer2DModel(**spec.transformer)
         text_encoder = CLIPTextModel(clip_cfg)
         text_encoder_2 = T5EncoderModel(t5_cfg)
@@ -193,7 +198,7 @@ def save_preset(name: str, dest: str | os.PathLike[str]) -> Path:
         raise ValueError(f"preset {name!r} is built in memory only (too large to cache on disk)")
     dest = Path(dest)
     pipeline = family_of(spec.pipeline).pipeline_classes()["text"]
-    pipeline(**build_components(name, "cpu", torch.float32)).save_pretrained(dest, safe_serialization=True)
+    pipeline(**build_components(name, "cpu")).save_pretrained(dest, safe_serialization=True)
     return dest
 
 
