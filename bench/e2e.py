@@ -331,8 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     command = "python bench/e2e.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
 
+    family = model_family(args.model)
     args.edit_image = edit_image(args.size, args.seed) if args.edit else None
-    args.edit_strength = model_family(args.model).strength(None)
+    args.edit_strength = family.strength(None)
     build_s, ours = timed(lambda: load_pipeline(args.model, device=args.device, dtype=dtype))
     ref_build_s, reference = timed(lambda: diffusers_reference(ours))
     gib = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ours.transformer.config
     text_tokens = min(512, ours.pipe.tokenizer_2.model_max_length)
     # a Kontext edit's input image adds its own latent tokens (Kontext resizes a square one to 1024x1024)
-    image_tokens = (1024 // 16) ** 2 if args.edit and model_family(args.model).edits == "reference" else 0
+    image_tokens = (1024 // 16) ** 2 if args.edit and family.edits == "reference" else 0
     tokens = (args.size // 16) ** 2 + image_tokens + text_tokens
     backend = (sdpa_backend(1, cfg.num_attention_heads, tokens, cfg.attention_head_dim, dtype)
                if args.device.startswith("cuda") else "cpu")
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {**{k: v for k, v in runs[0].items() if k not in ("png_md5", "times_s")},
                               "sdpa_backend": backend, "torch": torch.__version__}
     result.update(
-        runs=runs, model=args.model, family=model_family(args.model).name, edit=args.edit,
+        runs=runs, model=args.model, family=family.name, edit=args.edit,
         edit_strength=args.edit_strength if args.edit else None, dtype=args.dtype, repeats=args.repeats,
         warmup=args.warmup,
         gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",

@@ -270,10 +270,15 @@ def write_statement(folder: Path, **fields: Any) -> None:
     (Path(folder) / STATEMENT_FILE).write_text(json.dumps(fields, indent=1) + "\n")
 
 
+def _unbuilt_folder(name: str) -> Path | None:
+    """The folder a model name points at without building anything: a shipped preset's or a local folder; None for
+    a random-weights preset."""
+    return presets.SHIPPED.get(name) if _is_preset(name) else Path(name).expanduser()
+
+
 def statement(path_or_preset: str | os.PathLike[str]) -> dict[str, Any]:
     """What the model's folder states (empty where it states nothing or cannot be read). Never builds a preset."""
-    name = str(path_or_preset)
-    folder = presets.SHIPPED.get(name) if _is_preset(name) else Path(name).expanduser()
+    folder = _unbuilt_folder(str(path_or_preset))
     try:
         stated = json.loads((folder / STATEMENT_FILE).read_text()) if folder else {}
     except (OSError, ValueError):
@@ -290,10 +295,8 @@ def trained_sizes(path_or_preset: str | os.PathLike[str]) -> list[str] | None:
 
 def model_family(path_or_preset: str | os.PathLike[str]) -> ModelFamily:
     """The family of a preset or a model folder, from its spec or its model_index.json (nothing is loaded)."""
-    name = str(path_or_preset)
-    if _is_preset(name) and name not in presets.SHIPPED:
-        return presets.preset_family(name)
-    return folder_family(presets.SHIPPED.get(name) if _is_preset(name) else Path(name).expanduser())
+    folder = _unbuilt_folder(str(path_or_preset))
+    return presets.preset_family(str(path_or_preset)) if folder is None else folder_family(folder)
 
 
 def check_source(path_or_preset: str | os.PathLike[str]) -> None:
