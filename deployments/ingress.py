@@ -73,6 +73,10 @@ _ERRORS = {
 }
 
 
+def _adapter_api_off() -> JSONResponse:
+    return _error(404, "the adapter API is off: this deployment sets no args.lora_dir", "not_found")
+
+
 # A 200 of the image routes: JSON (the response model), the raw image, or server-sent events.
 _IMAGES_OK: dict[str, Any] = {
     "content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}, "text/event-stream": {}},
@@ -352,17 +356,15 @@ class Ingress:
         """Load a LoRA adapter file from the server's adapter folder (`args.lora_dir`) under a name, on every replica
         of both pools (one of each now, which checks it; the others before their first batch that names it)."""
         if self.adapters is None:
-            return _error(404, "the adapter API is off: this deployment sets no args.lora_dir", "not_found")
+            return _adapter_api_off()
         try:
             state = await self.adapters.add.remote(body.name, body.file)
         except BadRequest as e:
             return self._refuse(e)
         try:
-            await asyncio.gather(*(self.pools[q].sync_adapters.remote(state) for q in QUALITIES))
+            await self._sync_pools(state)
         except Exception as e:  # the file does not load: unregister it again, and answer why
-            state = await self.adapters.remove.remote(body.name)
-            await asyncio.gather(*(self.pools[q].sync_adapters.remote(state) for q in QUALITIES),
-                                 return_exceptions=True)
+            await self._sync_pools(await self.adapters.remove.remote(body.name), return_exceptions=True)
             if isinstance(e, BadRequest):
                 return _error(400, f"adapter {body.name!r} does not load: {e.message}", "invalid_request_error",
                               "file")
@@ -375,13 +377,19 @@ class Ingress:
         """Unload an adapter loaded through this API: requests may no longer name it; replicas free it (one of each
         pool now, the others at their next adapter change)."""
         if self.adapters is None:
-            return _error(404, "the adapter API is off: this deployment sets no args.lora_dir", "not_found")
+            return _adapter_api_off()
         try:
             state = await self.adapters.remove.remote(name)
         except LookupError as e:
             return _error(404, str(e.args[0] if e.args else e), "not_found")
-        await asyncio.gather(*(self.pools[q].sync_adapters.remote(state) for q in QUALITIES), return_exceptions=True)
+        await self._sync_pools(state, return_exceptions=True)
         return {"id": name, "object": "adapter", "deleted": True}
+
+    async def _sync_pools(self, state: dict[str, str], return_exceptions: bool = False) -> None:
+        """The API's adapter set `state` loaded on one replica of each pool now (the others sync before their next
+        batch naming one)."""
+        await asyncio.gather(*(self.pools[q].sync_adapters.remote(state) for q in QUALITIES),
+                             return_exceptions=return_exceptions)
 
     def _adapter_file(self, path: str) -> str:
         """An adapter file as the API names it: relative to the adapter folder."""

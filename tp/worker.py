@@ -105,7 +105,7 @@ class TPWorker:
                  encode: bool = True) -> list | None:
         """Run one batch (SPMD: every rank gets the same call). Rank 0 returns the results, others None.
         preview_steps: rank 0 keeps partial images after these steps for `take_previews`. encode=False: rank 0's
-        results carry their images, for the caller to encode (`model.pipeline.encode_pngs`) while the ranks run
+        results carry their images, for the caller to encode (the replica does, after the batch) while the ranks run
         the next batch."""
         from model.preview import PreviewSink
 
