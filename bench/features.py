@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     # /v1/adapters), whose images must equal stock diffusers with the same file loaded its own way.
     def switch() -> None:
         for loras in ((("adapter", 1.0),), ()):
-            ours._activate_loras(loras)
+            ours._activate_loras([GenerationRequest(**base, loras=loras)])
 
     switch_s = [timed(switch)[0] / 2 for _ in range(20)]
     add_s, remove_s = [], []

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, make_dataclass, replac
 from typing import Any
 
 from deployments.errors import BadRequest
-from model.features import FEATURES, POOL_OPTIONS, Feature, app_techniques, is_on, refusal
+from model.features import FEATURES, POOL_OPTIONS, Feature, app_techniques, is_on, refusal, standing_in
 from model.form import ServingForm
 from model.request import DEFAULT_MODEL, DEFAULT_STEPS, DTYPES, MAX_INPUT_PIXELS, QUALITIES, SizeError, step_cache_error
 from model.request import parse_size as parse_request_size
@@ -101,8 +101,8 @@ class PoolSettings:
 
 
 def _option_field(f: Feature) -> tuple[str, Any, Any]:
-    return (f.key, f.option_type | None, field(default=None)) if f.option_type is float else (
-        f.key, f.option_type, field(default=False))
+    return (f.key, f.option_type, field(default=False)) if f.option_type is bool else (
+        f.key, f.option_type | None, field(default=None))
 
 
 # One field per pool option of the feature table (model/features.py says what each does and what it excludes).
@@ -181,7 +181,7 @@ class AppArgs:
             for f in POOL_OPTIONS:
                 _check_option_type(f, getattr(pool, f.key), q)
             pools[q] = _with_defaults(pool, q, given, app_on, device)
-            on = pools[q].techniques() | app_on
+            on = standing_in(pools[q].techniques() | app_on)
             for name in (f.name for f in FEATURES if f.name in on):
                 reason = refusal(name, pool=q, tp=pool.tp, device=device, on=on)
                 if reason is not None:
@@ -275,6 +275,9 @@ def _check_option_type(f: Feature, value: Any, pool: str) -> None:
         error = step_cache_error(value)
         if error is not None:
             raise ValueError(f"{f.where_in(pool)} {error} (or null)")
+    if f.option_type is int and value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 16 or value % 16):
+        raise ValueError(f"{f.where_in(pool)} must be a multiple of 16 (or null), got {value!r}")
 
 
 def _with_defaults(pool: PoolArgs, name: str, given: dict[str, Any], app_on: frozenset[str],
@@ -286,7 +289,7 @@ def _with_defaults(pool: PoolArgs, name: str, given: dict[str, Any], app_on: fro
     for f in FEATURES:
         if not f.high_default or f.key in given:
             continue
-        on = pool.techniques() | app_on
+        on = standing_in(pool.techniques() | app_on)
         if all(d in on for d in f.default_with) and refusal(f.name, pool=name, tp=pool.tp, device=device,
                                                              on=on) is None:
             pool = replace(pool, **{f.key: True})
@@ -296,7 +299,7 @@ def _with_defaults(pool: PoolArgs, name: str, given: dict[str, Any], app_on: fro
 def pool_refusal(args: AppArgs, pool: str, name: str, subject: str | None = None) -> str | None:
     """Why pool `pool` of a parsed config cannot run technique `name` (e.g. asked for by a request), or None."""
     p = args.pools[pool]
-    on = p.techniques() | app_techniques(vars(args))  # (no deep copy of the args per request)
+    on = standing_in(p.techniques() | app_techniques(vars(args)))  # (no deep copy of the args per request)
     return refusal(name, pool=pool, tp=p.tp, device=args.device, on=on, subject=subject)
 
 

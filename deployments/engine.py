@@ -46,6 +46,9 @@ class Engine(Protocol):
 
     async def sync_adapters(self, wanted: dict[str, str]) -> dict[str, list[str]]: ...
 
+    # Per image: why its adapters cannot share the engine's composed batch (FluxServePipeline.adapter_errors).
+    async def adapter_errors(self, rows: list[tuple[tuple[str, float], ...]]) -> list[str | None]: ...
+
     def stats(self) -> dict[str, Any]: ...
 
     def actor_names(self) -> list[str]: ...
@@ -96,6 +99,9 @@ class LocalEngine:
     async def sync_adapters(self, wanted: dict[str, str]) -> dict[str, list[str]]:
         """The pipeline's adapters made exactly `wanted` (name -> file), between batches."""
         return await asyncio.to_thread(self.pipe.sync_loras, wanted)
+
+    async def adapter_errors(self, rows: list[tuple[tuple[str, float], ...]]) -> list[str | None]:
+        return self.pipe.adapter_errors(rows)
 
     def stats(self) -> dict[str, Any]:
         graphs = self.pipe.step_graphs
@@ -244,6 +250,12 @@ class TPEngine:
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
             self.broken = f"a TP rank died: {type(e).__name__}"
             raise PoolUnavailable(self.broken) from None
+
+    async def adapter_errors(self, rows: list[tuple[tuple[str, float], ...]]) -> list[str | None]:
+        """Rank 0's answer (every rank holds the same adapters)."""
+        if self.broken:
+            raise PoolUnavailable(self.broken)
+        return await self.workers[0].adapter_errors.remote(rows)
 
     async def check_health(self) -> None:
         if self.broken:

@@ -63,6 +63,8 @@ class PoolReplica:
         self._out_of_memory = 0
         self._busy = asyncio.Lock()
         self._runtime_adapters: dict[str, str] = {}  # the API's adapters this replica's pipeline holds
+        # The pool composes each image's adapters (model/adapter_slots.py): one batch may mix them.
+        self._mixed_adapters = self.pool_args.adapter_rank is not None
 
     @property
     def batch_wait_s(self) -> float:
@@ -77,7 +79,7 @@ class PoolReplica:
         """One `@serve.batch` call: ("ok", result) or ("err", exception) per ticket, in order."""
         groups: dict[tuple, list[int]] = {}
         for i, t in enumerate(tickets):
-            groups.setdefault(t.job.batch_key(), []).append(i)
+            groups.setdefault(t.job.batch_key(self._mixed_adapters), []).append(i)
         out: list[tuple[str, Any] | None] = [None] * len(tickets)
         for idx in groups.values():
             # Batch-invariant pools run each request alone (see PoolArgs.batch_invariant).
@@ -86,16 +88,18 @@ class PoolReplica:
                 try:
                     results = await self.run_chunk([tickets[i] for i in chunk], len(idx))
                     for i, r in zip(chunk, results):
-                        out[i] = ("ok", r)
+                        out[i] = ("err", r) if isinstance(r, Exception) else ("ok", r)
                 except Exception as exc:  # every ticket of the call gets the reason, none is dropped
                     for i in chunk:
                         out[i] = ("err", exc)
         return out  # type: ignore[return-value]
 
     async def run_chunk(self, chunk: list[_Ticket], queued_together: int,
-                        previews: PreviewSink | None = None) -> list[dict[str, Any]]:
-        """One pipeline call for compatible tickets; stops between steps once all its callers are gone."""
+                        previews: PreviewSink | None = None) -> list[dict[str, Any] | BadRequest]:
+        """One pipeline call for compatible tickets; stops between steps once all its callers are gone. A ticket
+        whose adapters cannot join the composed batch gets its BadRequest in its place (all of them: raised)."""
         requests = [t.job for t in chunk]
+        refused: dict[int, BadRequest] = {}
 
         def should_stop() -> bool:
             return all(t.cancelled.is_set() for t in chunk)
@@ -106,6 +110,12 @@ class PoolReplica:
             async with self._busy:  # one pipeline call at a time per replica
                 if wanted is not None:
                     await self._sync_adapters(wanted)
+                if self._mixed_adapters and any(len(r.loras) > 1 for r in requests):
+                    errors = await self.engine.adapter_errors([r.loras for r in requests])
+                    refused = {i: BadRequest("lora", e) for i, e in enumerate(errors) if e is not None}
+                    if len(refused) == len(requests):
+                        raise refused[0]
+                    requests = [r for i, r in enumerate(requests) if i not in refused]
                 t0 = time.perf_counter()
                 results = await self.engine.generate(requests, should_stop, previews)
         except GenerationCancelled:
@@ -127,7 +137,7 @@ class PoolReplica:
             raise GenerationFailed(f"{type(exc).__name__}: {exc}") from None
         wall = time.perf_counter() - t0
         self._images += len(results)
-        return [
+        done = [
             {
                 "png": r.png,  # None until `finish` encodes `image`, after the batch call has returned
                 "image": r.image,
@@ -136,11 +146,12 @@ class PoolReplica:
                 "ran": r.ran.as_dict(),
                 "timings": {**{k: float(v) for k, v in r.timings.items()}, "replica_batch_s": wall},
                 "pool": self.pool,
-                "batch_size": len(chunk),  # requests in the pipeline call that made this image
+                "batch_size": len(requests),  # requests in the pipeline call that made this image
                 "queued_together": queued_together,  # compatible requests collected in one @serve.batch call
             }
             for r in results
         ]
+        return [refused[i] if i in refused else done.pop(0) for i in range(len(chunk))]
 
     async def finish(self, result: dict[str, Any]) -> dict[str, Any]:
         """Encode a result's PNG if its batch left it pending. Each request does it in its own call, after the batch

@@ -53,15 +53,13 @@ def _move_entries(src: nn.Module, dst: nn.Module, name: str) -> None:
             getattr(dst, attr)[name] = value[name]
 
 
-def load_adapter(pipe: Any, name: str, path: str) -> list[str]:
-    """Load adapter file `path` as `name` into diffusers pipeline `pipe` while it serves. Returns the module paths of
-    the transformer's layers the adapter now reaches (a TP rank shards those)."""
+def _loaded_skeleton(pipe: Any, name: str, path: str, skeleton: nn.Module) -> nn.Module:
+    """`skeleton` (the served transformer's architecture) with adapter file `path` loaded as `name` by the pipeline's
+    own loader; its text-encoder part, if any, goes into the pipeline's real text encoders."""
     served = pipe.transformer
-    skeleton = _skeleton(served)
     shapes = _base_shapes(skeleton)
     pipe.transformer = skeleton
     try:
-        # the text-encoder part, if any, goes into the pipeline's real text encoders
         pipe.load_lora_weights(str(path), adapter_name=name)
     finally:
         pipe.transformer = served
@@ -69,6 +67,39 @@ def load_adapter(pipe: Any, name: str, path: str) -> list[str]:
         # a Control LoRA widens the input projection and replaces norms: the model itself changes
         pipe.delete_adapters([name])
         raise ValueError(f"adapter file {path} reshapes the model (a Control LoRA): load it at start (args.loras)")
+    return skeleton
+
+
+def read_adapter(pipe: Any, name: str, path: str, model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor,
+                                                                                       float]]:
+    """Adapter file `path` as the unfused model's per-layer tensors {layer: (A [r, K], B [N, r], alpha / r)}, read
+    by the pipeline's own loader into a skeleton of `model` (the model's diffusers class; `model` itself is not
+    touched) and left nowhere else: for adapters served beside converted layers (model/adapter_slots.py), which
+    take the transformer part only."""
+    skeleton = _loaded_skeleton(pipe, name, path, _skeleton(model))
+    out = {}
+    for layer_name, layer in skeleton.named_modules():
+        if not _is_peft_layer(layer) or name not in getattr(layer, "lora_A", {}):
+            continue
+        if getattr(layer, "use_dora", {}).get(name) or getattr(layer, "lora_bias", {}).get(name):
+            pipe.delete_adapters([name])
+            raise ValueError(f"adapter file {path}: DoRA and LoRA biases are not served beside converted layers")
+        out[layer_name] = (layer.lora_A[name].weight.detach(), layer.lora_B[name].weight.detach(),
+                           float(layer.scaling[name]))
+    text_parts = [c for c in ("text_encoder", "text_encoder_2")
+                  if name in (getattr(getattr(pipe, c, None), "peft_config", None) or {})]
+    if text_parts:
+        pipe.delete_adapters([name])
+        raise ValueError(f"adapter file {path} also adapts {text_parts}: adapters served beside converted layers "
+                         "take the transformer part only; serve it from a pool without conversions")
+    return out
+
+
+def load_adapter(pipe: Any, name: str, path: str) -> list[str]:
+    """Load adapter file `path` as `name` into diffusers pipeline `pipe` while it serves. Returns the module paths of
+    the transformer's layers the adapter now reaches (a TP rank shards those)."""
+    served = pipe.transformer
+    skeleton = _loaded_skeleton(pipe, name, path, _skeleton(served))
     reached = []
     for path_, layer in skeleton.named_modules():
         if not _is_peft_layer(layer) or name not in getattr(layer, "lora_A", {}):

@@ -27,14 +27,14 @@ WARMUP_STEPS = 2
 
 def build_pipeline(form: ServingForm, shard: Callable[[torch.nn.Module], None] | None = None,
                    agree: Callable[[bool], bool] | None = None) -> FluxServePipeline:
-    """Load -> adapters -> shard -> convert -> warm: a pipeline serving `form` (its `form` records what was built:
+    """Load -> adapters -> shard -> convert -> warm (adapter slots: after converting): a pipeline serving `form` (its `form` records what was built:
     fp8 where it cannot run is refused with a warning and bf16 kept). `shard(transformer)`: a TP rank's in-place
     sharding of the loaded transformer (after a fused adapter is merged into its weights, before conversion).
     `agree`: a TP rank's agreement hook for the warm-up batches (see `FluxServePipeline.generate`)."""
     t0 = time.perf_counter()
     kernel_cache.use(form.kernel_cache_dir)  # before anything compiles
     pipe = loading.load_pipeline(form.model, device=form.device, dtype=torch_dtype(form.dtype))
-    if form.loras:
+    if form.loras and form.adapter_slots is None:
         pipe.load_loras(dict(form.loras))
         if form.fused_lora is not None:
             pipe.fuse_lora(*form.fused_lora)
@@ -50,6 +50,9 @@ def build_pipeline(form: ServingForm, shard: Callable[[torch.nn.Module], None] |
             fp8 = False
     if fp8 or form.fused_projections:
         pipe.convert_for_high(fp8=fp8, fused_projections=form.fused_projections)
+    if form.adapter_slots is not None:  # beside the converted, sharded layers: loaded after both
+        pipe.enable_adapter_slots(form.adapter_slots, rows=max(form.warm_batch_sizes, default=1))
+        pipe.load_loras(dict(form.loras))
     if form.compile:
         pipe.enable_compile(list(form.warm_sizes), steps=WARMUP_STEPS, batch_sizes=list(form.warm_batch_sizes))
         logger.info("compiled for sizes %s, batch sizes %s in %.1f s", form.warm_sizes, form.warm_batch_sizes,

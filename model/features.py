@@ -34,7 +34,7 @@ class Feature:
     where: Literal["pool", "app"] | None = None
     option: str | None = None  # the config key; defaults to `name`
     also: tuple[str, ...] = ()  # other app options that turn it on too
-    option_type: type = bool  # bool, or float for a threshold (null: off)
+    option_type: type = bool  # bool; float for a threshold, int for a size (null: off)
     # Where it runs; elsewhere it is refused by the config ("config") or the sites stay on their exact kernels
     # ("exact"), or the replica keeps bf16 with a warning ("warn").
     devices: tuple[str, ...] = ("cpu", "cuda")
@@ -98,14 +98,18 @@ FEATURES: tuple[Feature, ...] = (
             "requests name them", exact=True, scope="batch", where="app", option="loras", option_type=dict,
             also=("lora_dir",),
             excludes={"compile": "LoRA under torch.compile is not built yet",
-                      "cuda_graphs": "a captured step would replay the adapter set it was captured with; fuse the "
-                                     "one adapter (fuse_lora) or turn cuda_graphs off",
                       "fp8": "fp8 converts the linears the adapters wrap; fuse the one adapter (fuse_lora)",
                       "fused_projections": "fused projections convert the linears the adapters wrap; fuse the one "
                                            "adapter (fuse_lora)"}),
     Feature("fused_lora", "one adapter merged into the weights at start: part of the model, a step costs the base's",
             exact=True, scope="replica", where="app", option="fuse_lora", instead_of="lora",
             excludes={"compile": "LoRA under torch.compile is not built yet"}),
+    Feature("adapter_slots", "the app's adapters served beside the pool's converted layers (fp8, fused projections, "
+            "sharded): each image's adapters composed into fixed per-layer buffers before its batch, so a captured "
+            "step replays for any adapters and a batch mixes them; the value is the rank one image may use",
+            exact=False, scope="replica", where="pool", option="adapter_rank", option_type=int, instead_of="lora",
+            excludes={"compile": "adapter buffers under torch.compile are not built",
+                      "fused_lora": "a fused adapter leaves no per-request adapters to serve"}),
 )
 
 BY_NAME: dict[str, Feature] = {f.name: f for f in FEATURES}
@@ -127,8 +131,13 @@ def feature(name: str) -> Feature:
 
 def app_techniques(options: Mapping[str, Any]) -> frozenset[str]:
     """The techniques that app-level options (`args:` keys -> values) turn on for every pool."""
-    on = {f.name for f in FEATURES if f.where == "app" and any(options.get(k) for k in (f.key, *f.also))}
-    return frozenset(on - {f.instead_of for f in FEATURES if f.name in on})
+    return standing_in({f.name for f in FEATURES if f.where == "app" and any(options.get(k) for k in (f.key, *f.also))})
+
+
+def standing_in(on: Iterable[str]) -> frozenset[str]:
+    """Techniques `on`, less those another of them stands in for (`instead_of`: a fused adapter, adapter slots)."""
+    on = frozenset(on)
+    return on - {f.instead_of for f in FEATURES if f.name in on}
 
 
 def exclusion(a: str, b: str) -> str | None:

@@ -183,10 +183,11 @@ class FluxAttention(nn.Module):
         """q, k, v as one stacked linear (and add_q/k/v as another); the separate layers are dropped. Not bit-exact
         (one wider GEMM may take another cuBLAS kernel): high tier only."""
         if self.to_qkv is None:
-            self.to_qkv = Linear.from_linears([self.to_q, self.to_k, self.to_v])
+            self.to_qkv = Linear.from_linears([self.to_q, self.to_k, self.to_v], names=("to_q", "to_k", "to_v"))
             del self.to_q, self.to_k, self.to_v
         if self.added_kv_proj_dim is not None and self.to_added_qkv is None:
-            self.to_added_qkv = Linear.from_linears([self.add_q_proj, self.add_k_proj, self.add_v_proj])
+            self.to_added_qkv = Linear.from_linears([self.add_q_proj, self.add_k_proj, self.add_v_proj],
+                                                    names=("add_q_proj", "add_k_proj", "add_v_proj"))
             del self.add_q_proj, self.add_k_proj, self.add_v_proj
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
@@ -366,7 +367,8 @@ class FluxSingleTransformerBlock(nn.Module):
         """attn q/k/v and proj_mlp as one stacked linear; the separate layers are dropped (high tier only)."""
         if self.to_qkv_mlp is None:
             attn = self.attn
-            self.to_qkv_mlp = Linear.from_linears([attn.to_q, attn.to_k, attn.to_v, self.proj_mlp])
+            self.to_qkv_mlp = Linear.from_linears([attn.to_q, attn.to_k, attn.to_v, self.proj_mlp],
+                                                  names=("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"))
             del attn.to_q, attn.to_k, attn.to_v, self.proj_mlp
             unmark_fused_gelu_site(self, "proj_mlp")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from model.features import BY_NAME, FEATURES, is_on
+from model.features import BY_NAME, FEATURES, is_on, standing_in
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,9 @@ class ServingForm:
     fused_lora: tuple[str, float] | None = None  # (name, scale): an adapter merged into the weights at start
     cuda_graphs: bool = False
     compile: bool = False
+    # The adapters served beside the converted layers (model/adapter_slots.py): the rank one image may use; None:
+    # adapters go through PEFT on the unconverted layers.
+    adapter_slots: int | None = None
     # The (height, width) sizes and batch sizes warmed up at start (a compiled form compiles for each), and the
     # tier whose batches the warm-up runs (the pool's; None: no warm-up).
     warm_sizes: tuple[tuple[int, int], ...] = ()
@@ -49,7 +52,7 @@ class ServingForm:
         on = {f.name for f in fields(self) if f.name in BY_NAME and is_on(getattr(self, f.name))}
         if self.loras and self.fused_lora is None:
             on.add("lora")
-        return frozenset(on)
+        return standing_in(on)
 
 
 # The high-batch defaults a form carries: the table's per-batch pool techniques.

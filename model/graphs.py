@@ -162,6 +162,8 @@ class StepGraphs:
         self.warmup_runs = warmup_runs
         # Part of every key: what the caller knows changes kernels (e.g. (quality, mounted GELU sites)).
         self.mode: Hashable = None
+        # The caller's mode names the active adapters (PEFT's set and scales): a PEFT model may then be captured.
+        self.adapters_keyed = False
         self.captures = 0
         self.replays = 0
         self.eager_fallbacks = 0
@@ -206,8 +208,8 @@ class StepGraphs:
             return "autocast"  # not keyed (FluxPipeline never autocasts): run it as it comes
         if getattr(module, "is_cache_enabled", False):
             return "cache"  # diffusers' step caches decide per call from values
-        if getattr(module, "_hf_peft_config_loaded", False):
-            return "peft"  # the LoRA scale is a Python attribute set per call
+        if getattr(module, "_hf_peft_config_loaded", False) and not self.adapters_keyed:
+            return "peft"  # the active adapters and their scales are Python state set per batch: keyed by the mode
         if kwargs.get("joint_attention_kwargs"):
             return "joint_attention_kwargs"
         if any(kwargs.get(name) is not None for name in _CONTROLNET_ARGS):

@@ -21,7 +21,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -256,10 +256,16 @@ class Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, tensors: dict[str, torch.Tensor | None], *,
-                 quant: Plain = BF16, parallel: Replicated = REPLICATED, requires_grad: bool = False) -> None:
+                 quant: Plain = BF16, parallel: Replicated = REPLICATED, requires_grad: bool = False,
+                 parts: tuple[tuple[str, int], ...] = ()) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.quant, self.parallel = quant, parallel
+        # A stacked layer's sources, in output order: (name relative to this layer's parent, out_features); an
+        # adapter made for the unfused model finds its share of this layer by them (model/adapter_slots.py).
+        self.parts = parts
+        # Per-request adapters beside this layer's GEMM (model.adapter_slots.Side), attached after conversion.
+        self.side: Any = None
         trainable = requires_grad and not quant.fp8
         for name, t in tensors.items():
             if name == "weight_scale":
@@ -271,10 +277,17 @@ class Linear(nn.Module):
 
     @classmethod
     def from_linears(cls, linears: Sequence[nn.Module], quant: Plain = BF16,
-                     parallel: Replicated = REPLICATED) -> Linear:
+                     parallel: Replicated = REPLICATED, names: Sequence[str] = ()) -> Linear:
         """One layer computing `cat([l(x) for l in linears], -1)` (a single one: the same layer), quantized and
         sharded as asked. Column-parallel layers of one group stack into one column-parallel layer whose blocks
-        are theirs: each rank keeps its own share of each (fused q/k/v at tp > 1: this rank's heads of all three)."""
+        are theirs: each rank keeps its own share of each (fused q/k/v at tp > 1: this rank's heads of all three).
+        `names`: the sources' names beside the new layer (its `parts`)."""
+        if names:
+            if len(names) != len(linears):
+                raise ValueError(f"{len(names)} names for {len(linears)} stacked linears")
+            layer = cls.from_linears(linears, quant, parallel)
+            layer.parts = tuple(zip(names, (lin.out_features for lin in linears)))
+            return layer
         first = linears[0]
         if any(is_fp8(lin) for lin in linears):
             raise ValueError("fp8 layers cannot be stacked: fuse projections before quantizing")
@@ -302,8 +315,9 @@ class Linear(nn.Module):
 
     @property
     def fused_gelu_compatible(self) -> bool:
-        """The local computation is exactly `F.linear(x, weight, bias)` (what the fused GELU site calls)."""
-        return not self.quant.fp8 and self.parallel.local_is_output
+        """The local computation is exactly `F.linear(x, weight, bias)` (what the fused GELU site calls): no adapter
+        side path either."""
+        return not self.quant.fp8 and self.parallel.local_is_output and self.side is None
 
     def _tensors(self) -> dict[str, torch.Tensor | None]:
         return {name: getattr(self, name) for name in _DIMS if hasattr(self, name)}
@@ -313,6 +327,7 @@ class Linear(nn.Module):
         """This layer as rank `parallel.rank` of `parallel.world` holds it (a copy; `self` must be unsharded)."""
         if self.parallel.world != 1:
             raise ValueError(f"layer is already sharded ({self.parallel})")
+        self._no_side("sharding")
         tensors = {}
         for name, t in self._tensors().items():
             if t is not None:
@@ -324,7 +339,7 @@ class Linear(nn.Module):
                 t = t.detach()
             tensors[name] = t
         return Linear(self.in_features, self.out_features, tensors, quant=self.quant, parallel=parallel,
-                      requires_grad=self.weight.requires_grad)
+                      requires_grad=self.weight.requires_grad, parts=self.parts)
 
     @torch.no_grad()
     def quantized(self, quant: Plain) -> Linear:
@@ -333,17 +348,29 @@ class Linear(nn.Module):
             return self
         if self.quant.fp8:
             raise ValueError(f"layer is already {self.quant.name}: quantize from the plain weight")
+        self._no_side("quantizing")
         tensors = quant.quantize(self.weight, self.parallel)
         bias = self.bias
         tensors["bias"] = None if bias is None else (bias.detach().to(torch.bfloat16) if quant.fp8 else bias.detach())
-        return Linear(self.in_features, self.out_features, tensors, quant=quant, parallel=self.parallel)
+        return Linear(self.in_features, self.out_features, tensors, quant=quant, parallel=self.parallel,
+                      parts=self.parts)
+
+    def _no_side(self, what: str) -> None:
+        if self.side is not None:
+            raise ValueError(f"{what} would drop this layer's adapter buffers: convert before attaching adapters")
 
     def forward(self, x: torch.Tensor | fp8_ops.Fp8Rows) -> torch.Tensor:
-        return self.parallel.finish(self.quant.apply(self, x, self.bias if self.parallel.bias_here else None))
+        """x: [batch, ..., in_features] (or those rows quantized); the adapter side path, when on, adds each batch
+        row's adapters to the local product, before the ranks' outputs are joined."""
+        y = self.quant.apply(self, x, self.bias if self.parallel.bias_here else None)
+        if self.side is not None and self.side.on:
+            y = self.side.add(y, x)
+        return self.parallel.finish(y)
 
     def matmul(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """fp8 layers: rows some other pass quantized (fp8 [M, K], scale [M, 1]) -> [M, N], joined as forward."""
-        return self.parallel.finish(self.quant.matmul(self, q, scale, self.bias if self.parallel.bias_here else None))
+        """fp8 layers: rows some other pass quantized (fp8 [M, K], scale [M, 1]) -> [M, N], joined as forward (each
+        row its own batch row)."""
+        return self(fp8_ops.Fp8Rows(q, scale, q.shape))
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight this rank multiplies by, in fp32 (tests and error reports)."""
@@ -419,6 +446,6 @@ def linear_cat_gelu(linear: nn.Module, a: torch.Tensor | None, b: torch.Tensor) 
     in one pass, with no bf16 intermediate; any other layer runs the eager expression."""
     if is_fp8(linear):
         q, scale = fp8_ops.quantize_rows(b[..., :0] if a is None else a, b, gelu_b=True)  # no `a`: zero width
-        return linear.matmul(q, scale).view(*b.shape[:-1], -1)
+        return linear(fp8_ops.Fp8Rows(q, scale, torch.Size((*b.shape[:-1], q.shape[1]))))
     act = F.gelu(b, approximate="tanh")
     return linear(act if a is None else torch.cat([a, act], dim=-1))

@@ -113,7 +113,7 @@ def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bo
     """
     import torch
 
-    validate_batch(requests)
+    validate_batch(requests, mixed_adapters=True)  # (the caller switches adapters on: FluxServePipeline checks them)
     first = requests[0]
     steps = first.denoising_steps
     if should_stop is not None and should_stop():
@@ -204,6 +204,9 @@ class FluxServePipeline:
         self._shapes_seen: set[tuple] = set()  # (width, height, batch, quality, streamed) of every batch run
         self._warming = False
         self.fp8_layers = 0  # fp8 linear layers the conversion made (reported in each result's `ran`)
+        # Adapters served beside converted layers (enable_adapter_slots); None: adapters go through PEFT.
+        self._slots: Any = None
+        self._slots_version = 0
         # generate() mounts/unmounts sites on the shared transformer: never let two batches interleave.
         self._lock = threading.Lock()
 
@@ -358,12 +361,47 @@ class FluxServePipeline:
         self.warmup = (*self.warmup, *items)
         return items
 
+    @property
+    def adapter_slots(self) -> Any:
+        """The adapters served beside the layers (`model.adapter_slots.AdapterSlots`), or None."""
+        return self._slots
+
+    def enable_adapter_slots(self, rank: int, rows: int = 1) -> None:
+        """Serve adapters beside the transformer's layers as they are (converted, sharded) instead of through PEFT:
+        each image's adapters, up to `rank` in all per projection, composed into fixed buffers before its batch
+        (model/adapter_slots.py), for batches of up to `rows` images (more grow them). High batches only (not
+        bit-exact); after any conversion. Adapters load with `load_loras` / `add_lora` as before."""
+        from model.adapter_slots import AdapterSlots
+
+        if self.loras:
+            raise ValueError("enable adapter slots before loading adapters: those loaded went into PEFT layers")
+        if self.fused_lora is not None:
+            raise ValueError("a fused adapter leaves no per-request adapters to serve")
+        with self._lock:
+            if self._slots is None:
+                self._slots = AdapterSlots(self.transformer, rank, rows)
+                self.form = replace(self.form, adapter_slots=int(rank))
+                self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        """Captured steps hold the layers' old tensors (adapter buffers grown, PEFT layers added or freed): capture
+        again on the next batch."""
+        if self._step_graphs is not None:
+            self._step_graphs.reset()
+        if self._slots is not None:
+            self._slots_version = self._slots.version
+
     def load_loras(self, loras: dict[str, str]) -> None:
         """Load LoRA files (any format diffusers' FLUX LoRA loader reads) once, each under its name, all inactive:
         a batch switches on the adapters its requests name (no reload). Fused projections / fp8 layers must come
         after (the adapters wrap the plain linears)."""
+        if self._slots is not None:
+            for name, path in loras.items():
+                self.add_lora(name, path)
+            return
         if (self.fp8 or self.fused_projections) and loras:
-            raise ValueError("load LoRAs before converting for high: the adapters target the unfused bf16 linears")
+            raise ValueError("load LoRAs before converting for high: the adapters target the unfused bf16 linears, "
+                             "or serve them beside the converted layers (enable_adapter_slots)")
         with self._lock:
             for name, path in loras.items():
                 if name in self.loras:
@@ -372,14 +410,24 @@ class FluxServePipeline:
                 self.form = replace(self.form, loras=(*self.form.loras, (name, str(path))))
             if self.loras:
                 self.pipe.disable_lora()
+            self._drop_graphs()
 
     def add_lora(self, name: str, path: str) -> list[str]:
         """Load one more adapter while serving (the runtime adapter API), inactive until a batch names it: diffusers'
         loader on a skeleton, its layers then moved into the served transformer, sharded or not (model/adapters.py).
         Returns the layers it reaches (a TP rank shards the adapter there). Not on a converted transformer, like
         `load_loras`."""
-        from model.adapters import load_adapter
+        from model.adapters import load_adapter, read_adapter
 
+        if self._slots is not None:
+            if name in self.loras:
+                raise ValueError(f"adapter {name!r} is loaded already; unload it first")
+            with self._lock:
+                reached = self._slots.add(name, read_adapter(self.pipe, name, path, self.transformer))
+                self.form = replace(self.form, loras=(*self.form.loras, (name, str(path))))
+                if self._slots.version != self._slots_version:
+                    self._drop_graphs()
+            return reached
         if self.fp8 or self.fused_projections or self.fused_lora is not None:
             raise ValueError("adapters cannot be added to a converted transformer or one with a fused adapter")
         if name in self.loras:
@@ -388,6 +436,7 @@ class FluxServePipeline:
             reached = load_adapter(self.pipe, name, path)
             self.form = replace(self.form, loras=(*self.form.loras, (name, str(path))))
             self.pipe.disable_lora()
+            self._drop_graphs()
         return reached
 
     def remove_lora(self, name: str) -> None:
@@ -397,14 +446,18 @@ class FluxServePipeline:
         if name not in self.loras:
             raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.loras)}")
         with self._lock:
-            unload_adapter(self.pipe, name)
+            if self._slots is not None:
+                self._slots.remove(name)  # (the buffers stay: captured steps stay valid)
+            else:
+                unload_adapter(self.pipe, name)
+                self._drop_graphs()
             self.form = replace(self.form, loras=tuple(x for x in self.form.loras if x[0] != name))
 
     def sync_loras(self, wanted: dict[str, str],
                    added: Callable[[str, list[str]], None] | None = None) -> dict[str, list[str]]:
         """Make the loaded adapters exactly `wanted` (name -> file): unload the others and those whose file changed,
-        load the missing. `added(name, layers)` after each load (a TP rank shards the new adapter there). Returns
-        the names added and removed."""
+        load the missing. `added(name, layers)` after each load into PEFT layers (a TP rank shards the new adapter
+        there; adapter slots shard their own). Returns the names added and removed."""
         loaded = self.loras
         removed = [n for n, f in loaded.items() if wanted.get(n) != f]
         for name in removed:
@@ -412,9 +465,14 @@ class FluxServePipeline:
         new = [n for n in wanted if n not in self.loras]
         for name in new:
             layers = self.add_lora(name, wanted[name])
-            if added is not None:
+            if added is not None and self._slots is None:
                 added(name, layers)
         return {"added": new, "removed": removed}
+
+    def adapter_errors(self, rows: list[tuple[tuple[str, float], ...]]) -> list[str | None]:
+        """Per image of a batch to be: why its adapters cannot be composed into the slots together (past the rank
+        budget, unknown), or None; all None without slots (PEFT batches share one set)."""
+        return [None if self._slots is None else self._slots.row_error(tuple(r)) for r in rows]
 
     def fuse_lora(self, name: str, scale: float = 1.0) -> None:
         """Fuse one loaded adapter into the weights for good (diffusers' fuse_lora, then unload_lora_weights): no
@@ -422,6 +480,8 @@ class FluxServePipeline:
         The adapter is then part of the model: batches name no adapters."""
         if name not in self.loras:
             raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.loras)}")
+        if self._slots is not None:
+            raise ValueError("adapters served beside the layers cannot be fused: fuse before enabling adapter slots")
         with self._lock:
             self.pipe.enable_lora()
             self.pipe.set_adapters([name], [float(scale)])
@@ -431,7 +491,17 @@ class FluxServePipeline:
             if self._step_graphs is not None:
                 self._step_graphs.reset()
 
-    def _activate_loras(self, loras: tuple[tuple[str, float], ...]) -> None:
+    def _activate_loras(self, requests: list[GenerationRequest]) -> None:
+        """Switch on the adapters the batch names: each image's own, composed into the slots; else (PEFT) the
+        batch's one set."""
+        if self._slots is not None:
+            if requests[0].quality != "high" and any(r.loras for r in requests):
+                raise ValueError("adapters served beside the layers are not bit-exact: high batches only")
+            self._slots.compose([r.loras for r in requests])
+            if self._slots.version != self._slots_version:  # the buffers grew for a larger batch
+                self._drop_graphs()
+            return
+        loras = requests[0].loras
         unknown = [name for name, _ in loras if name not in self.loras]
         if unknown:
             raise ValueError(f"unknown LoRA adapter(s) {unknown}; loaded: {sorted(self.loras)}")
@@ -524,20 +594,26 @@ class FluxServePipeline:
         unfused and every result's `ran.gelu_sites` is 0. agree: the TP ranks' agreement on the mount (see
         applied_tier). previews: partial images while it denoises (the results do not change). encode=False: the
         PNGs are left to `encode_pngs`, outside this pipeline's lock."""
-        validate_batch(requests)
+        validate_batch(requests, mixed_adapters=self._slots is not None)
         quality = requests[0].quality
         plan = self.plan(quality, compiled, cuda_graphs, step_cache=requests[0].step_cache)
         with self._lock:
             t0 = time.perf_counter()
-            self._activate_loras(requests[0].loras)
+            self._activate_loras(requests)
             replays = self._step_graphs.replays if self._step_graphs is not None else 0
-            with applied_tier(self.transformer, plan, block_runners=self._compiled_runners,
-                              step_graphs=self._step_graphs, agree=agree) as report:
-                if report.mount_report is not None:
-                    self.last_mount_report = report.mount_report
-                t1 = time.perf_counter()
-                latents, images = run_flux_pipeline(self.pipe, requests, progress, should_stop, previews,
-                                                    encode=False)
+            try:
+                with applied_tier(self.transformer, plan, block_runners=self._compiled_runners,
+                                  step_graphs=self._step_graphs, agree=agree,
+                                  adapters=requests[0].loras if self._slots is None else self._slots.state.on
+                                  ) as report:
+                    if report.mount_report is not None:
+                        self.last_mount_report = report.mount_report
+                    t1 = time.perf_counter()
+                    latents, images = run_flux_pipeline(self.pipe, requests, progress, should_stop, previews,
+                                                        encode=False)
+            finally:
+                if self._slots is not None:
+                    self._slots.off()
             _sync(self.device)
             t2 = time.perf_counter()
             graphed = self._step_graphs is not None and self._step_graphs.replays > replays
@@ -555,7 +631,8 @@ class FluxServePipeline:
                   fused_projections=self.fused_projections, compiled=plan.compiled, graphed=graphed,
                   step_cache=plan.step_cache, adapters=requests[0].loras,
                   fused_adapter=self.fused_lora)
-        results = [GenerationResult(png=None, image=im, latents=lat, seed=r.seed, quality=quality, ran=ran,
+        results = [GenerationResult(png=None, image=im, latents=lat, seed=r.seed, quality=quality,
+                                    ran=ran if r.loras == ran.adapters else replace(ran, adapters=r.loras),
                                     timings=dict(timings)) for r, lat, im in zip(requests, latents, images)]
         return encode_pngs(results) if encode else results
 

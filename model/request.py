@@ -110,10 +110,11 @@ class GenerationRequest:
         mask = None if self.mask is None else hashlib.sha256(self.mask).hexdigest()
         return (digest, mask, self.strength)
 
-    def batch_key(self) -> tuple:
-        """Only requests with equal keys may share one pipeline call (the adapter set and the edit included)."""
-        return (self.height, self.width, self.steps, self.guidance, self.quality, self.loras, self.edit_key(),
-                self.step_cache)
+    def batch_key(self, mixed_adapters: bool = False) -> tuple:
+        """Only requests with equal keys may share one pipeline call (the adapter set and the edit included;
+        `mixed_adapters`: a pipeline that composes each image's adapters, model/adapter_slots.py, mixes them)."""
+        return (self.height, self.width, self.steps, self.guidance, self.quality,
+                None if mixed_adapters else self.loras, self.edit_key(), self.step_cache)
 
 
 def step_cache_error(threshold: object) -> str | None:
@@ -124,8 +125,9 @@ def step_cache_error(threshold: object) -> str | None:
     return None
 
 
-def validate_batch(requests: list[GenerationRequest]) -> None:
-    """Raise ValueError unless `requests` is a non-empty, valid batch whose requests share every batch-level knob."""
+def validate_batch(requests: list[GenerationRequest], mixed_adapters: bool = False) -> None:
+    """Raise ValueError unless `requests` is a non-empty, valid batch whose requests share every batch-level knob
+    (the adapters too, unless `mixed_adapters`)."""
     if not requests:
         raise ValueError("empty batch")
     for r in requests:
@@ -158,10 +160,10 @@ def validate_batch(requests: list[GenerationRequest]) -> None:
             if r.quality != "high":
                 raise ValueError(f"step_cache is for quality 'high' only (skipped steps are not bit-exact), got "
                                  f"quality {r.quality!r}")
-    first = requests[0].batch_key()
+    first = requests[0].batch_key(mixed_adapters)
     names = ("height", "width", "steps", "guidance", "quality", "loras", "image / mask / strength", "step_cache")
     for r in requests[1:]:
-        for name, a, b in zip(names, first, r.batch_key()):
+        for name, a, b in zip(names, first, r.batch_key(mixed_adapters)):
             if a != b:
                 raise ValueError(f"all requests of a batch must share {name}: {a!r} vs {b!r}")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator
 
 from kernels import attention, gelu, modulate, sites
 from model.execution import FirstBlockCache, running
@@ -125,8 +125,10 @@ def _restore_lossless(transformer: torch.nn.Module) -> None:
 @contextmanager
 def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
                  block_runners: tuple[Any, Any] | None = None, step_graphs: StepGraphs | None = None,
-                 agree: Callable[[bool], bool] | None = None) -> Iterator[TierReport]:
+                 agree: Callable[[bool], bool] | None = None, adapters: Hashable = None) -> Iterator[TierReport]:
     """Switch `transformer` to `plan` for the block; back to lossless after it (also on errors and cancellation).
+    adapters: what the batch's adapters make the forward run, for the graph key: PEFT's active set with its scales
+    (a captured step replays only that set), or whether adapter side paths are on (model/adapter_slots.py).
 
     agree: called with this process's verdict and returns all ranks' (TP: a collective): once for "every GELU site
     mounts", so that a refusal anywhere unmounts everywhere, and at each step-cache decision, so that every rank
@@ -154,9 +156,11 @@ def applied_tier(transformer: torch.nn.Module, plan: TierPlan, *,
             if step_graphs is None:
                 raise ValueError("a CUDA-graph plan needs the step-graph cache")
             # Mounted / switched sites run other kernels than lossless: a separate graph per (tier, mounted GELU
-            # sites, fast norm sites, 8-bit attention sites). (A transformer's fp8 / fused form is set before any
+            # sites, fast norm sites, 8-bit attention sites, adapter side paths on). (A transformer's fp8 / fused form is set before any
             # capture: converting drops the graphs.)
-            step_graphs.mode = (plan.quality, report.mounted_sites, report.fast_norm_sites, report.attention8_sites)
+            step_graphs.mode = (plan.quality, report.mounted_sites, report.fast_norm_sites, report.attention8_sites,
+                                adapters)
+            step_graphs.adapters_keyed = adapters is not None
             graphs = step_graphs
         if plan.step_cache is not None:
             report.step_cache = FirstBlockCache(plan.step_cache, agree=agree)

@@ -22,7 +22,7 @@ TP_REFUSED = [f for f in POOL_OPTIONS if f.tp_refusal is not None]
 
 
 def _on(f: features.Feature) -> object:
-    return 0.1 if f.option_type is float else True
+    return {float: 0.1, int: 32}.get(f.option_type, True)
 
 
 @pytest.mark.parametrize("f", TP_REFUSED, ids=lambda f: f.name)
@@ -61,7 +61,7 @@ def test_config_code_names_no_pool_technique() -> None:
 def test_pool_args_has_one_field_per_pool_option_with_its_off_value() -> None:
     pool = PoolArgs()
     for f in POOL_OPTIONS:
-        assert getattr(pool, f.key) is (None if f.option_type is float else False), f.name
+        assert getattr(pool, f.key) is (False if f.option_type is bool else None), f.name
     assert pool.techniques() == frozenset()
 
 

@@ -345,11 +345,11 @@ def test_pipeline_uses_graphs_per_batch_with_its_mode_never_compiled(tiny_path: 
     spy = _StepSpy(pipe.transformer)
     try:
         graphed = pipe.generate([_req(1)])[0]
-        assert spy.seen == [("lossless", 0, 0, 0)] * 2  # (tier, GELU sites, fast norms, 8-bit attentions)
+        assert spy.seen == [("lossless", 0, 0, 0, ())] * 2  # (tier, GELU, fast norm, 8-bit attention sites, adapters)
         assert execution_of(pipe.transformer) is None  # only during its batch
         spy.seen.clear()
         pipe.generate([_req(2, "high")])
-        assert spy.seen == [("high", 0, 0, 0)] * 2  # the CPU mounts nothing
+        assert spy.seen == [("high", 0, 0, 0, ())] * 2  # the CPU mounts nothing
         spy.seen.clear()
         pipe.generate([_req(1)], cuda_graphs=False)
         assert spy.seen == [None] * 2
@@ -612,3 +612,34 @@ def test_gpu_illegal_sync_inside_capture_falls_back_and_later_captures_work(gpu_
         assert (sg.captures, sg.replays) == (1, 1), sg.stats()
     finally:
         _detach(m)
+
+
+def test_a_peft_batch_is_keyed_by_its_adapter_set_and_scales(tiny_path: Path, tmp_path: Path) -> None:
+    """PEFT adapters (the lossless pool's) may be captured once the mode names the active set with its scales: each
+    set and scale is its own graph, and adding or removing an adapter drops every graph (their tensors moved). Would
+    catch a graph of one set replayed for another (the mode without the adapters) or PEFT still refused."""
+    pytest.importorskip("peft")
+    from tests._inputs import write_random_lora
+
+    pipe = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    ink = write_random_lora(pipe.transformer, tmp_path / "ink.safetensors", 1)
+    fog = write_random_lora(pipe.transformer, tmp_path / "fog.safetensors", 2)
+    pipe.load_loras({"ink": str(ink)})
+    sg = pipe.enable_cuda_graphs()
+    spy = _StepSpy(pipe.transformer)
+    try:
+        for loras in ((("ink", 1.0),), (("ink", 0.5),), ()):
+            spy.seen.clear()
+            pipe.generate([GenerationRequest("a red fox", height=64, width=64, steps=2, seed=1, loras=loras)])
+            assert spy.seen == [("lossless", 0, 0, 0, loras)] * 2
+    finally:
+        spy.close()
+    with torch.no_grad():
+        assert sg.adapters_keyed and sg.eager_reason(pipe.transformer, {"x": torch.zeros(1)}) == "cpu"  # not "peft"
+        sg.adapters_keyed = False
+        assert sg.eager_reason(pipe.transformer, {"x": torch.zeros(1)}) == "peft"
+    resets = []
+    sg.reset = lambda: resets.append(1)
+    pipe.add_lora("fog", str(fog))
+    pipe.remove_lora("fog")
+    assert len(resets) == 2

@@ -152,7 +152,6 @@ def test_a_server_without_adapters_says_so() -> None:
     ({"loras": {"ink": ""}}, "file path"),
     ({"loras": {"ink": "/x"}, "pools": {"high": {"compile": True}}}, "compile"),
     ({"loras": {"ink": "/x"}, "pools": {"high": {"fp8": True}}}, r"fp8 and loras exclude each other: .*fuse_lora"),
-    ({"loras": {"ink": "/x"}, "device": "cuda", "pools": {"lossless": {"cuda_graphs": True}}}, "cuda_graphs"),
 ])
 def test_bad_lora_configs_are_errors(raw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -164,6 +163,8 @@ def test_serving_adapters_keeps_the_high_pool_unconverted_by_default(tp: int) ->
     high = AppArgs.parse({"loras": {"ink": "/x"}, "pools": {"high": {"tp": tp}}}).pools["high"]
     assert not high.fp8 and not high.fused_projections and high.tp == tp
     assert AppArgs.parse(None).pools["high"].fp8  # without adapters: converted
+    graphed = AppArgs.parse({"loras": {"ink": "/x"}, "device": "cuda", "pools": {"lossless": {"cuda_graphs": True}}})
+    assert {"lora", "cuda_graphs"} <= graphed.form("lossless").techniques()  # captured per adapter set
 
 
 def test_a_fused_adapter_is_byte_identical_to_stock_diffusers_fused(tiny_path: Path,
@@ -277,4 +278,26 @@ def test_fusing_one_of_two_loaded_adapters_at_a_scale(tiny_path: Path, lora_file
     conv.convert_for_high(fused_projections=True)
     with pytest.raises(ValueError) as exc:
         conv.load_loras({"ink": lora_files["ink"]})
-    assert str(exc.value) == "load LoRAs before converting for high: the adapters target the unfused bf16 linears"
+    assert str(exc.value) == ("load LoRAs before converting for high: the adapters target the unfused bf16 linears, "
+                              "or serve them beside the converted layers (enable_adapter_slots)")
+
+
+@pytest.mark.gpu
+def test_gpu_lossless_with_adapters_replays_one_graph_per_adapter_set_byte_identical(
+        tiny_path: Path, lora_files: dict[str, str]) -> None:
+    """On CUDA in bf16, the lossless pool with PEFT adapters and CUDA graphs: each adapter set (names and scales) is
+    captured once and replays the eager kernels, so every image equals the eager pipeline's (latents and PNG bytes,
+    hence stock diffusers'); a set seen before replays without a capture. Would catch one set's graph replayed for
+    another (wrong scale or adapter baked in)."""
+    def build():
+        pipe = load_pipeline(str(tiny_path), device="cuda", dtype=torch.bfloat16)
+        pipe.load_loras(lora_files)
+        return pipe
+
+    graphed, eager = build(), build()
+    sg = graphed.enable_cuda_graphs(max_graphs=8)
+    sets = ((("ink", 1.0),), (("ink", 0.5),), (("ink", 1.0), ("sun", 0.7)), (), (("ink", 1.0),))
+    for loras in sets:
+        got, want = graphed.generate([_req(loras)])[0], eager.generate([_req(loras)])[0]
+        assert got.ran.graphed and torch.equal(got.latents, want.latents) and got.png == want.png, loras
+    assert sg.captures == 4 and sg.eager_fallbacks == 0, sg.stats()

@@ -6,6 +6,7 @@ pipeline. (The same replica under real Serve, batching by timing and over HTTP: 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -311,3 +312,32 @@ def test_pngs_are_encoded_after_the_batch_call_so_the_next_batch_runs_meanwhile(
     assert [im.seen["locked"] for im in images] == [False, False]  # never while holding the pipeline
     assert images[0].seen["batches_meanwhile"] == 1  # the second batch ran while the first encoded
     assert not engine.overlapped  # and still one pipeline call at a time
+
+
+class _SlotEngine(_Engine):
+    """An engine composing each image's adapters: a set naming "wide" cannot join a batch."""
+
+    async def adapter_errors(self, rows) -> list[str | None]:
+        return ["rank 64 together; at most 32" if any(n == "wide" for n, _ in r) else None for r in rows]
+
+
+def test_a_pool_composing_adapters_mixes_them_in_one_call_and_refuses_only_the_image_that_cannot_join() -> None:
+    """With `adapter_rank` set, requests differing only by adapters share one pipeline call; one whose set the engine
+    cannot compose gets its own 400 naming `lora` while its batch mates are served. Would catch the adapters kept in
+    the batch key (three calls), or one refused image failing the whole batch."""
+    engine = _SlotEngine()
+    replica = PoolReplica("high", AppArgs.parse({"loras": {"ink": "ink.safetensors", "fog": "fog.safetensors",
+                                                           "wide": "wide.safetensors"},
+                                                 "pools": {"high": {"adapter_rank": 32}}}), engine)
+    jobs = [replace(_job(1), loras=(("ink", 1.0),)), replace(_job(2), loras=(("fog", 0.5), ("wide", 1.0))),
+            replace(_job(3), loras=()), replace(_job(4), loras=(("fog", 0.5), ("ink", 1.0)))]
+    out = _run(replica.run_tickets([_Ticket(j) for j in jobs]))
+    assert [kind for kind, _ in out] == ["ok", "err", "ok", "ok"]
+    assert isinstance(out[1][1], BadRequest) and out[1][1].param == "lora" and "at most 32" in out[1][1].message
+    assert len(engine.calls) == 1 and [r.seed for r in engine.calls[0]] == [1, 3, 4]
+    assert [r["batch_size"] for _, r in (out[0], out[2], out[3])] == [3, 3, 3]
+    with pytest.raises(BadRequest, match="at most 32"):  # alone, the refusal is raised
+        _run(replica.run_chunk([_Ticket(jobs[1])], 1))
+    plain, _ = _replica(loras={"ink": "ink.safetensors"})
+    _run(plain.run_tickets([_Ticket(j) for j in (jobs[0], jobs[2])]))
+    assert len(plain.engine.calls) == 2  # PEFT pools keep one adapter set per call

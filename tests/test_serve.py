@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -249,11 +250,12 @@ def test_sigterm_stops_the_demo_and_leaves_nothing_running(fluxserve_cache: Path
 
 
 def test_runtime_adapters_load_serve_and_unload_through_the_api(serve_app: dict, tmp_path: Path) -> None:
-    """`args.lora_dir` on, high pool at tp 2: POST /v1/adapters loads a file from the folder on both pools (the tp 2
-    ranks shard it), requests name it (lossless: the bytes of a pipeline that loaded it at start; high at tp 2:
-    close to them), a file outside the folder or one that does not load is a 400 and stays unregistered, DELETE
-    unloads it (then a 400 for a request naming it, a 404 for a second DELETE); without lora_dir the API is a
-    404."""
+    """`args.lora_dir` on, high pool at tp 2 serving adapters beside its fused projections (`adapter_rank`): POST
+    /v1/adapters loads a file from the folder on both pools (lossless: PEFT; high: each tp 2 rank its share of the
+    slots), requests name it (lossless: the bytes of a pipeline that loaded it at start; high at tp 2: close to
+    them), two high requests with different adapters share one batch, an image past the rank budget is a 400, a file
+    outside the folder or one that does not load is a 400 and stays unregistered, DELETE unloads it (then a 400 for
+    a request naming it, a 404 for a second DELETE); without lora_dir the API is a 404."""
     import torch
 
     from model.loading import load_pipeline
@@ -264,13 +266,16 @@ def test_runtime_adapters_load_serve_and_unload_through_the_api(serve_app: dict,
     folder.mkdir()
     pipe = load_pipeline(serve_app["args"]["model"], device="cpu", dtype=torch.float32)
     fog = write_random_lora(pipe.transformer, folder / "fog.safetensors", 2, rank=8)
+    ink = write_random_lora(pipe.transformer, folder / "ink.safetensors", 3, rank=4)
+    write_random_lora(pipe.transformer, folder / "wide.safetensors", 4, rank=16)
     from safetensors.torch import save_file
 
     save_file({"transformer.nowhere.lora_A.weight": torch.ones(2, 4), "transformer.nowhere.lora_B.weight":
                torch.ones(4, 2)}, str(folder / "foreign.safetensors"))
     assert requests.post(serve_app["url"] + "/v1/adapters", json={"name": "fog", "file": "fog.safetensors"},
                          timeout=30).status_code == 404  # the session app sets no lora_dir
-    high = {"tp": 2, "cpu_threads": 1, "backend": "gloo", "rank_resources": {"CPU": 0.5}}
+    high = {"tp": 2, "cpu_threads": 1, "backend": "gloo", "rank_resources": {"CPU": 0.5}, "fused_projections": True,
+            "adapter_rank": 16}
     with _side_app(serve_app, "adapters", high=high, lora_dir=str(folder)) as app:
         url = app["url"]
         assert requests.get(url + "/v1/adapters", timeout=10).json()["data"] == []
@@ -288,6 +293,24 @@ def test_runtime_adapters_load_serve_and_unload_through_the_api(serve_app: dict,
         tp2 = requests.post(url + "/v1/images/generations", json={**body, "quality": "high"}, timeout=120).json()
         got = base64.b64decode(tp2["data"][0]["b64_json"])
         assert png_psnr(got, direct) >= 40 > png_psnr(got, plain), (png_psnr(got, direct), png_psnr(got, plain))
+        assert tp2["ran"]["fused_projections"] and tp2["ran"]["adapters"] == [{"name": "fog", "scale": 0.8}]
+        # two high requests with different adapters in one batch; one past the rank budget refused alone
+        for name in ("ink", "wide"):
+            assert requests.post(url + "/v1/adapters", json={"name": name, "file": f"{name}.safetensors"},
+                                 timeout=120).status_code == 200
+        pipe.load_loras({"ink": str(ink)})
+        with ThreadPoolExecutor(2) as ex:
+            futures = [ex.submit(requests.post, url + "/v1/images/generations", timeout=120, json=b) for b in (
+                {**body, "quality": "high"}, {**body, "quality": "high", "seed": 5, "lora": [{"name": "ink"}]})]
+            mixed = [f.result().json() for f in futures]
+        assert [m["batch_sizes"] for m in mixed] == [[2], [2]], mixed
+        ink_direct = _direct(pipe, GenerationRequest("a fox", height=64, width=64, steps=2, seed=5,
+                                                     loras=(("ink", 1.0),)))
+        assert png_psnr(base64.b64decode(mixed[0]["data"][0]["b64_json"]), direct) >= 40
+        assert png_psnr(base64.b64decode(mixed[1]["data"][0]["b64_json"]), ink_direct) >= 40
+        r = requests.post(url + "/v1/images/generations", timeout=120, json={
+            **body, "quality": "high", "lora": [{"name": "fog"}, {"name": "wide"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora" and "rank 24" in r.text, r.text
         # streamed, and an edit: the job carries the set on those paths too
         with httpx.stream("POST", url + "/v1/images/generations", timeout=120, json={**body, "stream": True}) as r:
             events = _sse_events(r)
@@ -301,7 +324,7 @@ def test_runtime_adapters_load_serve_and_unload_through_the_api(serve_app: dict,
                               ("foreign.safetensors", "adapter 'bad' does not load")):
             r = requests.post(url + "/v1/adapters", json={"name": "bad", "file": file}, timeout=120)
             assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
-        assert [a["id"] for a in requests.get(url + "/v1/adapters", timeout=10).json()["data"]] == ["fog"]
+        assert [a["id"] for a in requests.get(url + "/v1/adapters", timeout=10).json()["data"]] == ["fog", "ink", "wide"]
         assert requests.delete(url + "/v1/adapters/fog", timeout=60).json()["deleted"] is True
         r = requests.post(url + "/v1/images/generations", json=body, timeout=60)
         assert r.status_code == 400 and "unknown LoRA adapter 'fog'" in r.json()["error"]["message"], r.text

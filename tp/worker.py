@@ -130,6 +130,11 @@ class TPWorker:
         return self.pipe.sync_loras(wanted, added=lambda name, layers: shard_adapter(self.pipe.transformer, name,
                                                                                      layers))
 
+    def adapter_errors(self, rows: list[tuple[tuple[str, float], ...]]) -> list[str | None]:
+        if self.pipe is None:
+            raise RuntimeError("TPWorker.setup() has not run")
+        return self.pipe.adapter_errors(rows)
+
     def _agree(self, ok: bool) -> bool:
         """This rank's verdict agreed over the control group (every rank or none), for the pipeline's hooks."""
         return agree_all_ranks(ok, self.ctrl_group)

@@ -1,0 +1,146 @@
+"""What per-request adapters cost as the pools serve them, every step replayed from a CUDA graph: the lossless pool's
+PEFT adapters (one graph per adapter set), then the high pool's served form with adapters in slots
+(model/adapter_slots.py) beside fp8 layers and fused projections.
+
+One process, one set of weights (default: flux-dev-random, FLUX.1-dev architecture, random bf16 weights),
+1024x1024. First lossless (PEFT): `lossless` without and `lossless_lora` with one adapter, graphed, and the graphed
+adapter image against the eager one (PNG bytes). Then the same pipeline, its PEFT adapters unloaded, converted to the
+high form. Each repeat interleaves, after a warm-up that captures every graph (median over repeats):
+  base        high, batch 1, no adapter
+  lora        high, batch 1, one adapter (rank `--lora-rank` on q/v/out, FF down and the single blocks' MLP / output
+              projections)
+  one4        high, batch 4, the same adapter on every image
+  mixed4      high, batch 4, four different adapters, one per image
+Also: switching adapters between batches (composing another set into the buffers, synchronized), and the graph
+captures during the timed repeats (0: switching adapters replays the captured steps). Random weights: speed is what
+this measures; the images mean nothing.
+
+  python bench/lora_slots.py --out bench/results/lora-slots-h200.json
+  python bench/lora_slots.py --model tiny --device cpu --dtype float32 --size 64 --steps 2 --repeats 1 --out /tmp/s.json  # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.e2e import timed  # noqa: E402
+from model.loading import load_pipeline  # noqa: E402
+from model.pipeline import GenerationRequest  # noqa: E402
+from tests._inputs import write_random_lora  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    from model import prompt_cache
+
+    prompt_cache.disable_by_default()  # every timed call encodes its prompt
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="flux-dev-random")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--slot-rank", type=int, default=16, help="adapter_rank: the rank one image may use")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench/lora_slots.py needs a CUDA GPU (or --device cpu for a dry run)", file=sys.stderr)
+        return 2
+    command = "python bench/lora_slots.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                 else sys.argv[1:]))
+    build_s, pipe = timed(lambda: load_pipeline(args.model, device=args.device, dtype=getattr(torch, args.dtype)))
+    tmp = Path(tempfile.mkdtemp(prefix="lora-slots"))
+    files = {f"a{i}": str(write_random_lora(pipe.transformer, tmp / f"a{i}.safetensors", seed=i, rank=args.lora_rank,
+                                            std=2e-3)) for i in range(4)}
+    graphs = pipe.enable_cuda_graphs() if args.device.startswith("cuda") else None
+
+    def req(loras: tuple = (), seed: int = 0, quality: str = "high") -> GenerationRequest:
+        return GenerationRequest("a photo of a red fox in fresh snow", height=args.size, width=args.size,
+                                 steps=args.steps, seed=seed, quality=quality, loras=loras)
+
+    # lossless: PEFT adapters, graphed per adapter set
+    pipe.load_loras({"a0": files["a0"]})
+    lossless = {"lossless": [req(quality="lossless")], "lossless_lora": [req((("a0", 1.0),), quality="lossless")]}
+    times: dict[str, list[float]] = {k: [] for k in lossless}
+    for i in range(1 + args.repeats):
+        for name, batch in lossless.items():
+            t, out = timed(lambda: pipe.generate(batch))
+            if i:
+                times[name].append(t)
+    eager = pipe.generate(lossless["lossless_lora"], cuda_graphs=False)[0]
+    lossless_equal = eager.png == out[0].png and bool(torch.equal(eager.latents, out[0].latents))
+    print(f"lossless: {times}; graphed adapter image equal to eager: {lossless_equal}", flush=True)
+    pipe.remove_lora("a0")
+    pipe.pipe.unload_lora_weights()  # no PEFT layer left: the high form converts plain linears
+    if graphs is not None:
+        pipe.disable_cuda_graphs()
+    form = pipe.take_high_defaults()
+    pipe.enable_adapter_slots(args.slot_rank, rows=4)
+    load_s, _ = timed(lambda: pipe.load_loras(files))
+    graphs = pipe.enable_cuda_graphs() if args.device.startswith("cuda") else None
+    print(f"built {args.model} in {build_s:.1f}s ({form}); 4 adapters loaded into slots in {load_s:.1f}s", flush=True)
+
+    names = sorted(files)
+    variants = {
+        "base": [req()],
+        "lora": [req((("a0", 1.0),))],
+        "one4": [req((("a0", 1.0),), seed=i) for i in range(4)],
+        "mixed4": [req(((n, 1.0),), seed=i) for i, n in enumerate(names)],
+    }
+    for batch in variants.values():  # warm-up: every graph captured
+        pipe.generate(batch)
+    captures = graphs.captures if graphs is not None else 0
+    times.update({k: [] for k in variants})
+    for i in range(args.repeats):
+        for name, batch in variants.items():
+            times[name].append(timed(lambda: pipe.generate(batch))[0])
+        print(f"  repeat {i}: " + ", ".join(f"{k} {times[k][-1]:.3f}s" for k in variants), flush=True)
+    slots = pipe.adapter_slots
+
+    def switch(rows: list) -> None:
+        slots.compose(rows)
+        slots.off()
+
+    switch_s = []
+    for i in range(10):
+        switch_s.append(timed(lambda: switch([((names[i % 4], 1.0),)]))[0])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    report = {
+        "command": command, "gpu": gpu, "torch": torch.__version__, "model": args.model, "size": args.size,
+        "steps": args.steps, "lora_rank": args.lora_rank, "slot_rank": args.slot_rank, "repeats": args.repeats,
+        "form": sorted(pipe.form.techniques()), "fp8_layers": pipe.fp8_layers,
+        "seconds": med, "seconds_all": times,
+        "lora_overhead_high_pct": round(100 * (med["lora"] / med["base"] - 1), 2),
+        "lora_overhead_lossless_pct": round(100 * (med["lossless_lora"] / med["lossless"] - 1), 2),
+        "lossless_lora_graphed_png_equal_eager": lossless_equal,
+        "mixed_batch_ratio": round(med["mixed4"] / med["one4"], 4),
+        "adapter_switch_ms": round(1000 * statistics.median(switch_s), 3),
+        "captures_during_timed_runs": (graphs.captures if graphs is not None else 0) - captures,
+        "graph_stats": None if graphs is None else graphs.stats(),
+        "note": "random weights: speed only",
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: report[k] for k in ("gpu", "seconds", "lora_overhead_high_pct", "lora_overhead_lossless_pct",
+                                             "lossless_lora_graphed_png_equal_eager", "mixed_batch_ratio",
+                                             "adapter_switch_ms", "captures_during_timed_runs")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,428 @@
+"""Adapters served beside converted layers (model/adapter_slots.py): each image's adapters composed into fixed
+per-layer buffers before its batch, on plain, stacked, fp8 and sharded `model.linear.Linear` layers.
+
+Checked against independent references: a layer's output against `x W^T + b + s (alpha / r) (x A^T) B^T` computed
+from the adapter file's own tensors per source layer; a pipeline with slots against the same adapters loaded by
+diffusers/PEFT into the unconverted model; a mixed batch against each image alone; the buffers' addresses across
+adapter switches (what a captured CUDA graph reads). (The GPU forms: tests/test_fp8.py and test_graphs.py.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kernels import fp8 as fp8_ops
+from model.adapter_slots import AdapterSlots
+from model.linear import FP8, Column, Linear, Row
+from model.pipeline import GenerationRequest
+
+peft = pytest.importorskip("peft")
+
+from model.loading import load_pipeline  # noqa: E402
+from tests._inputs import write_random_lora  # noqa: E402
+
+
+def _ab(g: torch.Generator, k: int, n: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(r, k, generator=g) * 0.3, torch.randn(n, r, generator=g) * 0.3
+
+
+class _Parent(nn.Module):
+    """A parent module holding the stacked layer `qkv` (parts to_q, to_k, to_v) and a plain `out`."""
+
+    def __init__(self, k: int = 32, n: int = 48) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.src = [nn.Linear(k, n), nn.Linear(k, n), nn.Linear(k, 2 * n)]
+        for lin in self.src:
+            lin.weight.data = torch.randn(lin.weight.shape, generator=g) / 8
+            lin.bias.data = torch.randn(lin.bias.shape, generator=g) / 8
+        self.qkv = Linear.from_linears(self.src, names=("to_q", "to_k", "to_v"))
+        self.out = nn.Linear(n, k)
+
+
+def _reference(x: torch.Tensor, sources: list[nn.Linear], terms: dict[int, list[tuple]]) -> torch.Tensor:
+    """cat over the sources of x W^T + b + sum of s * scaling * (x A^T) B^T, in float64."""
+    outs = []
+    for i, lin in enumerate(sources):
+        y = x.double() @ lin.weight.double().t() + lin.bias.double()
+        for a, b, scaling, s in terms.get(i, []):
+            y = y + s * scaling * (x.double() @ a.double().t()) @ b.double().t()
+        outs.append(y)
+    return torch.cat(outs, -1)
+
+
+def test_a_stacked_layer_adds_each_rows_adapters_to_their_own_parts() -> None:
+    """Row 0: adapter ink on to_q and to_v; row 1: none; row 2: ink at 0.5 and fog (to_k only) together. Would catch
+    a term written into another part's columns or rows, a scale or alpha / r dropped, a row's offset reused."""
+    torch.manual_seed(0)
+    model = _Parent()
+    slots = AdapterSlots(model, rank=16, rows=2)
+    assert isinstance(model.out, Linear) and model.out.parts == ()  # every linear can carry a side
+    g = torch.Generator().manual_seed(1)
+    ink_q, ink_v, fog_k = _ab(g, 32, 48, 4), _ab(g, 32, 96, 4), _ab(g, 32, 48, 8)
+    reached = slots.add("ink", {"to_q": (*ink_q, 0.5), "to_v": (*ink_v, 0.5)})
+    slots.add("fog", {"to_k": (*fog_k, 2.0)})
+    assert reached == ["qkv"] and slots.adapters["fog"].rank == 8
+    rows = [(("ink", 1.0),), (), (("fog", 1.0), ("ink", 0.5))]
+    assert slots.compose(rows)
+    x = torch.randn(3, 5, 32)
+    with torch.no_grad():
+        got = model.qkv(x)
+    want = [_reference(x[0], model.src, {0: [(*ink_q, 0.5, 1.0)], 2: [(*ink_v, 0.5, 1.0)]}),
+            _reference(x[1], model.src, {}),
+            _reference(x[2], model.src, {0: [(*ink_q, 0.5, 0.5)], 1: [(*fog_k, 2.0, 1.0)], 2: [(*ink_v, 0.5, 0.5)]})]
+    for row in range(3):
+        torch.testing.assert_close(got[row].double(), want[row], rtol=1e-5, atol=1e-5)
+    slots.off()
+    with torch.no_grad():
+        torch.testing.assert_close(model.qkv(x).double(), _reference(x, model.src, {}), rtol=1e-5, atol=1e-5)
+
+
+def test_switching_adapters_keeps_every_buffer_in_place() -> None:
+    """What a captured step reads stays where it was: composing other adapters (or none, then again) writes into the
+    same buffers, and the same set twice is not composed again. Would catch buffers reallocated per batch."""
+    model = _Parent()
+    slots = AdapterSlots(model, rank=16, rows=2)
+    g = torch.Generator().manual_seed(2)
+    slots.add("ink", {"to_q": (*_ab(g, 32, 48, 4), 1.0), "out": (*_ab(g, 48, 32, 4), 1.0)})
+    slots.add("fog", {"to_v": (*_ab(g, 32, 96, 16), 1.0)})
+    sides = [model.qkv.side, model.out.side]
+    where = [t.data_ptr() for s in sides for t in s.buffers()]
+    version = slots.version
+    fills = []
+    original = slots._fill
+    slots._fill = lambda key: (fills.append(key), original(key))
+    for rows in ([(("ink", 1.0),)], [(("fog", 0.3),), (("ink", 1.0),)], [()], [(("ink", 1.0),)], [(("ink", 1.0),)]):
+        slots.compose(rows)
+        assert [t.data_ptr() for s in sides for t in s.buffers()] == where and slots.version == version
+    assert len(fills) == 3  # the last set repeated, and no adapters at all, compose nothing
+    assert not torch.count_nonzero(model.out.side.a[1])  # row 1 of the previous batch was cleared
+    slots.compose([()] * 3)  # no adapters: nothing grows
+    assert slots.rows == 2
+    slots.compose([(("ink", 1.0),)] * 3)  # a larger batch grows the buffers (graphs must be captured again)
+    assert slots.rows == 3 and slots.version == version + 1 and model.qkv.side.a.shape[0] == 3
+
+
+def test_an_fp8_layer_takes_its_adapters_on_quantized_rows_and_on_plain_ones() -> None:
+    """An fp8 layer (the CPU twin of torch._scaled_mm) given rows some norm pass quantized, and bf16 rows: the
+    adapter term is the reference's within fp8 rounding of the input and of A. Would catch the fp8 A's scales or
+    the request's scale not applied on the quantized path."""
+    g = torch.Generator().manual_seed(3)
+    plain = Linear.from_linears([nn.Linear(64, 32)]).to(torch.bfloat16)
+    layer = plain.quantized(FP8)
+    parent = nn.Module()
+    parent.proj = layer
+    slots = AdapterSlots(parent, rank=16)
+    a, b = _ab(g, 64, 32, 8)
+    slots.add("ink", {"proj": (a, b, 0.5)})
+    slots.compose([(("ink", 0.8),), (("ink", -1.0),)])
+    x = torch.randn(2, 6, 64, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        base = layer.quant.apply(layer, x, layer.bias)
+        for given in (x, fp8_ops.Fp8Rows(*fp8_ops.quantize_rows_eager(x.reshape(-1, 64)), x.shape)):
+            term = (layer(given) - base).double()
+            for row, s in enumerate((0.8, -1.0)):
+                want = s * 0.5 * (x[row].double() @ a.double().t()) @ b.double().t()
+                assert (term[row] - want).norm() / want.norm() < 0.08, (type(given), row)
+    assert layer.side.a8.dtype == torch.float8_e4m3fn and layer.side.a8_scale[1].abs().max() > 0
+
+
+@pytest.mark.parametrize("style", ["column", "row"])
+def test_a_sharded_layers_ranks_sum_to_the_whole_layer(style: str) -> None:
+    """Two ranks' shards of a stacked column-parallel layer, or of a row-parallel one (whose partial products the
+    all-reduce sums), each composing its share: together they equal the unsharded layer with the adapter. Would
+    catch a rank keeping the wrong output columns of a part or the wrong input columns of A."""
+    g = torch.Generator().manual_seed(4)
+    k, n = 32, 48
+    srcs = [nn.Linear(k, n), nn.Linear(k, n)]
+    terms = {"to_q": (*_ab(g, k, n, 4), 1.0), "to_k": (*_ab(g, k, n, 4), 0.5)}
+    x = torch.randn(2, 3, k, generator=g)
+    if style == "row":
+        srcs, terms = srcs[:1], {"to_q": terms["to_q"]}
+
+    def build(parallel):
+        parent = nn.Module()
+        names = ("to_q", "to_k")[:len(srcs)]
+        if parallel is None:
+            parent.proj = Linear.from_linears(srcs, names=names)
+        else:
+            parent.proj = Linear.from_linears(srcs, names=names).sharded(parallel)
+        slots = AdapterSlots(parent, rank=16, rows=2)
+        slots.add("ink", terms)
+        slots.compose([(("ink", 1.0),), ()])
+        return parent.proj
+
+    whole = build(None)
+    with torch.no_grad():
+        want = whole(x)
+        if style == "column":
+            blocks = tuple(s.out_features for s in srcs)
+            shards = [build(Column(r, 2, None, blocks=blocks)) for r in range(2)]
+            halves = [s(x) for s in shards]  # each rank: its half of each part, part after part
+            got = torch.cat([h[..., i * n // 2:(i + 1) * n // 2] for i in range(2) for h in halves], -1)
+        else:
+            shards = [build(Row(r, 2, None)) for r in range(2)]
+            got = sum(s.quant.apply(s, x[..., r * k // 2:(r + 1) * k // 2], s.bias if s.parallel.bias_here else None)
+                      for r, s in enumerate(shards))
+            got = got.clone()
+            for r, s in enumerate(shards):
+                s.side.add(got, x[..., r * k // 2:(r + 1) * k // 2])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_refusals_say_why() -> None:
+    model = _Parent()
+    slots = AdapterSlots(model, rank=16)
+    g = torch.Generator().manual_seed(5)
+    with pytest.raises(ValueError, match="rank 32 at to_q; this pool serves adapters up to rank 16"):
+        slots.add("wide", {"to_q": (*_ab(g, 32, 48, 32), 1.0)})
+    with pytest.raises(ValueError, match="reaches to_z, which this model does not serve"):
+        slots.add("lost", {"to_z": (*_ab(g, 32, 48, 4), 1.0)})
+    with pytest.raises(ValueError, match="do not fit a layer of 32 -> 96"):
+        slots.add("bent", {"to_v": (*_ab(g, 32, 48, 4), 1.0)})
+    assert not slots.adapters and model.qkv.side is None
+    slots.add("ink", {"to_q": (*_ab(g, 32, 48, 12), 1.0)})
+    slots.add("fog", {"to_k": (*_ab(g, 32, 48, 8), 1.0)})
+    with pytest.raises(ValueError, match=r"use rank 20 together; this pool composes at most rank 16"):
+        slots.compose([(("ink", 1.0), ("fog", 1.0))])
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        slots.compose([(("nope", 1.0),)])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        AdapterSlots(_Parent(), rank=24)
+    with pytest.raises(ValueError, match="convert before attaching adapters"):
+        model.qkv.quantized(FP8)
+
+
+# -- the pipeline --------------------------------------------------------------------------------------------------
+
+
+def _req(loras: tuple = (), seed: int = 5, quality: str = "high") -> GenerationRequest:
+    return GenerationRequest("a red fox", height=64, width=64, steps=2, seed=seed, loras=loras, quality=quality)
+
+
+@pytest.fixture(scope="module")
+def files(tiny_path: Path, tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("slot-loras")
+    t = load_pipeline(str(tiny_path)).transformer
+    return {"ink": str(write_random_lora(t, d / "ink.safetensors", 1)),
+            "fog": str(write_random_lora(t, d / "fog.safetensors", 2, rank=8,
+                                         targets=("attn.to_k", "ff.net.0.proj", "proj_out", "norm1.linear",
+                                                  "proj_mlp")))}
+
+
+@pytest.fixture(scope="module")
+def peft_pipe(tiny_path: Path, files: dict[str, str]):
+    pipe = load_pipeline(str(tiny_path))
+    pipe.load_loras(files)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def slot_pipe(tiny_path: Path, files: dict[str, str]):
+    pipe = load_pipeline(str(tiny_path))
+    pipe.convert_for_high(fused_projections=True)
+    pipe.enable_adapter_slots(16, rows=3)
+    pipe.load_loras(files)
+    return pipe
+
+
+SETS = ((("ink", 1.0),), (("fog", 0.7),), (("ink", 0.5), ("fog", 1.0)), ())
+
+
+def test_fused_projections_with_slots_draw_what_peft_draws_unfused(slot_pipe, peft_pipe) -> None:
+    """The high form (fused q/k/v and MLP up-projection) with adapters in slots against the same files loaded by
+    diffusers into the unconverted model (PEFT, the lossless path): the same latents up to float32 rounding of the
+    reordered sums. Would catch a part's adapter in the wrong part, alpha / r lost, an adapter reaching a non-block
+    layer (norm1.linear) dropped."""
+    for loras in SETS:
+        got = slot_pipe.generate([_req(loras)])[0]
+        want = peft_pipe.generate([_req(loras, quality="lossless")])[0]
+        torch.testing.assert_close(got.latents, want.latents, rtol=1e-4, atol=1e-4)
+        assert got.ran.adapters == loras
+    with_ink = slot_pipe.generate([_req(SETS[0])])[0].latents
+    assert (with_ink - slot_pipe.generate([_req()])[0].latents).abs().max() > 1e-2  # the adapter matters
+
+
+def test_a_batch_mixes_adapters_and_each_image_is_drawn_as_alone(slot_pipe) -> None:
+    """Three requests with different adapters share one pipeline call; each image equals the same request alone
+    (up to the batched GEMMs' rounding), and reports its own adapters. Would catch rows composed in the wrong order
+    or one row's adapters applied to all."""
+    batch = [_req(loras, seed=i) for i, loras in enumerate(SETS[:3])]
+    got = slot_pipe.generate(batch)
+    for i, r in enumerate(batch):
+        alone = slot_pipe.generate([r])[0]
+        torch.testing.assert_close(got[i].latents, alone.latents, rtol=1e-4, atol=1e-4)
+        assert got[i].ran.adapters == r.loras
+    from model.request import validate_batch
+
+    with pytest.raises(ValueError, match="share loras"):
+        validate_batch(batch)
+
+
+def test_slots_refuse_what_they_cannot_serve(slot_pipe, tiny_path: Path, files: dict[str, str], tiny_pipe) -> None:
+    """A lossless batch naming adapters is refused on a slot pipeline (not bit-exact); one naming none runs the
+    layers' own kernels: byte-identical to the plain pipeline (every nn.Linear became a `Linear` calling F.linear)."""
+    unconverted = load_pipeline(str(tiny_path))
+    unconverted.enable_adapter_slots(16)
+    unconverted.load_loras({"ink": files["ink"]})
+    with pytest.raises(ValueError, match="high batches only"):
+        unconverted.generate([_req(SETS[0], quality="lossless")])
+    lossless = unconverted.generate([_req(quality="lossless")])[0]
+    stock = tiny_pipe.generate([_req(quality="lossless")])[0]
+    assert torch.equal(lossless.latents, stock.latents) and lossless.png == stock.png
+    with pytest.raises(ValueError, match="loaded already"):
+        slot_pipe.add_lora("ink", files["ink"])
+    late = load_pipeline(str(tiny_path))
+    late.load_loras({"ink": files["ink"]})
+    with pytest.raises(ValueError, match="before loading adapters"):
+        late.enable_adapter_slots(16)
+    with pytest.raises(ValueError, match="cannot be fused"):
+        slot_pipe.fuse_lora("ink")
+
+
+def test_runtime_load_and_unload_into_slots(tiny_path: Path, files: dict[str, str], slot_pipe) -> None:
+    """sync_loras on a slot pipeline: the adapter loaded while serving draws what the one loaded at start does
+    (same tensors, same composition: torch.equal), and an unloaded one is refused."""
+    pipe = load_pipeline(str(tiny_path))
+    pipe.convert_for_high(fused_projections=True)
+    pipe.enable_adapter_slots(16, rows=3)
+    assert pipe.sync_loras({"fog": files["fog"]}) == {"added": ["fog"], "removed": []}
+    assert pipe.sync_loras(files) == {"added": ["ink"], "removed": []}
+    for loras in SETS:
+        assert torch.equal(pipe.generate([_req(loras)])[0].latents, slot_pipe.generate([_req(loras)])[0].latents)
+    pipe.sync_loras({"ink": files["ink"]})
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        pipe.generate([_req(SETS[1])])
+    assert pipe.form.adapter_slots == 16 and "adapter_slots" in pipe.form.techniques()
+    assert "lora" not in pipe.form.techniques()
+
+
+def _tp_rank(rank: int, port: int, folder: str, outdir: str) -> None:
+    from tests.test_tp import GROUP_TIMEOUT_S, WORLD, report_rank
+
+    def body(res: dict) -> None:
+        import json
+
+        from model.form import ServingForm
+        from tp.worker import TPWorker
+
+        torch.set_num_threads(1)
+        files = json.loads((Path(outdir) / "files.json").read_text())
+        form = ServingForm(folder, fused_projections=True, adapter_slots=16, loras=(("ink", files["ink"]),),
+                           warm_batch_sizes=(3,))
+        worker = TPWorker(rank, WORLD, form, port=port, backend="gloo", timeout_s=GROUP_TIMEOUT_S)
+        worker.setup()
+        res["sync"] = worker.sync_loras(files)
+        res["mixed"] = worker.generate([_req(loras, seed=i) for i, loras in enumerate(SETS[:3])])
+
+    report_rank(rank, outdir, body)
+
+
+def test_tp2_ranks_compose_their_shares_of_each_images_adapters(files: dict[str, str], slot_pipe, tiny_path: Path,
+                                                               tmp_path: Path) -> None:
+    """Two gloo ranks, fused projections sharded by heads and MLP columns, adapters in slots (one at start, one
+    loaded while serving), one mixed batch: each image equals tp 1's with the same adapters, up to the sharded sums'
+    rounding. Would catch a rank adding a whole adapter term (the row-parallel all-reduce would double it) or the
+    wrong share of a part."""
+    import json
+
+    from tests.test_tp import JOIN_TIMEOUT_S, WORLD, spawn_ranks
+
+    (tmp_path / "files.json").write_text(json.dumps(files))
+    run = spawn_ranks(_tp_rank, WORLD, tiny_path, tmp_path, JOIN_TIMEOUT_S)
+    assert run[0]["sync"] == run[1]["sync"] == {"added": ["fog"], "removed": []}
+    for i, loras in enumerate(SETS[:3]):
+        got = run[0]["mixed"][i]
+        torch.testing.assert_close(got.latents, slot_pipe.generate([_req(loras, seed=i)])[0].latents,
+                                   rtol=1e-4, atol=1e-4)
+        assert got.ran.adapters == loras
+
+
+# -- configuration -------------------------------------------------------------------------------------------------
+
+
+def test_a_high_pool_with_adapter_slots_keeps_its_converted_form_and_graphs() -> None:
+    """`args.pools.high.adapter_rank` stands in for PEFT there: the high defaults (fp8, fused projections, fast norms,
+    8-bit attention with graphs) stay on beside the app's adapters, while the lossless pool serves them by PEFT."""
+    from deployments.config import AppArgs
+
+    loras = {"ink": "ink.safetensors"}
+    args = AppArgs.parse({"device": "cuda", "dtype": "bfloat16", "loras": loras,
+                          "pools": {"high": {"adapter_rank": 32, "cuda_graphs": True}}})
+    high, lossless = args.form("high").techniques(), args.form("lossless").techniques()
+    assert {"adapter_slots", "fp8", "fused_projections", "fast_norm", "attention8", "cuda_graphs"} <= high
+    assert "lora" not in high and "lora" in lossless and "adapter_slots" not in lossless
+    assert args.form("high").adapter_slots == 32
+    without = AppArgs.parse({"device": "cuda", "dtype": "bfloat16", "loras": loras})
+    assert "fp8" not in without.form("high").techniques()  # PEFT's layers stay unconverted
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"pools": {"lossless": {"adapter_rank": 32}}}, "args.pools.lossless.adapter_rank is for the high pool only"),
+    ({"pools": {"high": {"adapter_rank": 24}}}, "adapter_rank must be a multiple of 16"),
+    ({"pools": {"high": {"adapter_rank": True}}}, "adapter_rank must be a multiple of 16"),
+    ({"pools": {"high": {"adapter_rank": 32, "compile": True}}}, "adapter buffers under torch.compile"),
+    ({"fuse_lora": True, "pools": {"high": {"adapter_rank": 32}}}, "a fused adapter leaves no per-request"),
+])
+def test_bad_adapter_slot_configs_are_errors(raw: dict, message: str) -> None:
+    from deployments.config import AppArgs
+
+    with pytest.raises(ValueError, match=message):
+        AppArgs.parse({"loras": {"ink": "ink.safetensors"}, **raw})
+
+
+@pytest.mark.gpu
+def test_gpu_slots_on_the_fp8_graphed_form_switch_adapters_without_capture(tiny_path: Path,
+                                                                          files: dict[str, str]) -> None:
+    """On CUDA in bf16, the served high form (fused projections, fp8 layers, fast norms, 8-bit attention, CUDA
+    graphs) with adapters in slots: after one capture per (batch size, adapters on/off), switching adapters replays
+    the same graph (captures unchanged) and draws what the eager form draws (torch.equal: the same kernels); a mixed
+    batch equals each image alone within the batched GEMMs' rounding; each adapter's image stays close to PEFT's
+    lossless one."""
+    from model.metrics import psnr
+
+    def build(graphs: bool):
+        pipe = load_pipeline(str(tiny_path), device="cuda", dtype=torch.bfloat16)
+        pipe.take_high_defaults()
+        pipe.enable_adapter_slots(16, rows=2)
+        pipe.load_loras(files)
+        if graphs:
+            pipe.enable_cuda_graphs()
+        return pipe
+
+    graphed, eager = build(True), build(False)
+    assert graphed.fp8_layers > 0 or graphed.fp8_refusal() is not None
+    graphed.generate([_req(SETS[0])])
+    captures = graphed.step_graphs.captures
+    for loras in SETS[1:3]:
+        got = graphed.generate([_req(loras)])[0]
+        assert got.ran.graphed and torch.equal(got.latents, eager.generate([_req(loras)])[0].latents), loras
+    assert graphed.step_graphs.captures == captures
+    mixed = graphed.generate([_req(SETS[0], seed=1), _req(SETS[1], seed=2)])
+    for r, loras, seed in zip(mixed, SETS[:2], (1, 2)):
+        alone = graphed.generate([_req(loras, seed=seed)])[0]
+        assert psnr(r.png, alone.png) >= 35, loras
+    reference = load_pipeline(str(tiny_path), device="cuda", dtype=torch.bfloat16)
+    reference.load_loras(files)
+    for loras in SETS[:3]:
+        got = graphed.generate([_req(loras)])[0]
+        want = reference.generate([_req(loras, quality="lossless")])[0]
+        print(f"slots high vs PEFT lossless {loras}: PSNR {psnr(got.png, want.png):.2f} dB")
+        assert psnr(got.png, want.png) >= 20, loras
+
+
+def test_a_layer_with_adapters_is_no_fused_gelu_site() -> None:
+    """The fused GELU epilogue computes F.linear alone: a layer carrying adapter buffers must not be mounted there
+    (its adapters would be skipped without a word). Would catch `fused_gelu_compatible` ignoring the side."""
+    from kernels.gelu import can_fuse_linear_gelu
+
+    model = _Parent()
+    slots = AdapterSlots(model, rank=16)
+    assert model.out.fused_gelu_compatible
+    slots.add("ink", {"out": (*_ab(torch.Generator().manual_seed(6), 48, 32, 4), 1.0)})
+    ok, reason = can_fuse_linear_gelu(model.out)
+    assert not ok and "does not compute F.linear" in reason
