@@ -217,3 +217,13 @@ def scaled_mm(q: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight
                            M, K, N, "on" if use_fast else "off", REFUSED[key],
                            "without fast accumulation" if use_fast else "the eager fp32 form")
     return scaled_mm_eager(q, weight, scale, weight_scale, bias)
+
+
+def rows_matmul(q: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """fp8 rows [M, K] (scales [M, 1]) @ fp8 weight [N, K]^T (scales [1, N]) + bias -> bf16 [M, N] wherever the
+    rows are: on CUDA `scaled_mm` with fast accumulation by row count (`fast_accumulation`), elsewhere the eager
+    twin."""
+    if q.device.type != "cuda":
+        return scaled_mm_eager(q, weight, scale, weight_scale, bias)
+    return scaled_mm(q, weight, scale, weight_scale, bias, fast_accumulation(q.shape[0]))

@@ -65,17 +65,13 @@ class Side:
 
     def add(self, y: torch.Tensor, x: torch.Tensor | fp8_ops.Fp8Rows) -> torch.Tensor:
         """y (the layer's local product, [batch, ..., N]) += each batch row's adapter terms; in place."""
-        batch = x.shape[0] if len(x.shape) > 1 else 1
+        batch = x.shape[0]
         y3 = y.view(batch, -1, y.shape[-1])
         if isinstance(x, fp8_ops.Fp8Rows):
             per_row = x.q.shape[0] // batch
             for b in range(batch):
                 rows = slice(b * per_row, (b + 1) * per_row)
-                if x.q.device.type == "cuda":
-                    xa = fp8_ops.scaled_mm(x.q[rows], self.a8[b], x.scale[rows], self.a8_scale[b], None,
-                                           fp8_ops.fast_accumulation(per_row))
-                else:
-                    xa = fp8_ops.scaled_mm_eager(x.q[rows], self.a8[b], x.scale[rows], self.a8_scale[b], None)
+                xa = fp8_ops.rows_matmul(x.q[rows], self.a8[b], x.scale[rows], self.a8_scale[b], None)
                 y3[b].addmm_(xa, self.bt[b])
         else:
             x3 = x.reshape(batch, -1, x.shape[-1])

@@ -220,10 +220,7 @@ class Fp8(Plain):
 
     def matmul(self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """fp8 [M, K] with fp32 scale [M, 1] -> bf16 [M, N]."""
-        if q.device.type != "cuda":
-            return fp8_ops.scaled_mm_eager(q, layer.weight, scale, layer.weight_scale, bias)
-        return fp8_ops.scaled_mm(q, layer.weight, scale, layer.weight_scale, bias,
-                                 fp8_ops.fast_accumulation(q.shape[0]))
+        return fp8_ops.rows_matmul(q, layer.weight, scale, layer.weight_scale, bias)
 
     def apply(self, layer: Linear, x: torch.Tensor | fp8_ops.Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         n = layer.weight.shape[0]

@@ -82,15 +82,37 @@ def test_a_stacked_layer_adds_each_rows_adapters_to_their_own_parts() -> None:
         torch.testing.assert_close(model.qkv(x).double(), _reference(x, model.src, {}), rtol=1e-5, atol=1e-5)
 
 
+def test_three_adapters_on_one_projection_each_keep_their_own_rank_rows() -> None:
+    """One image naming three adapters of one projection: each occupies its own rows of the part's rank budget (4 +
+    4 + 8 of 16). Would catch an offset reset or overwritten between adapters."""
+    model = _Parent()
+    slots = AdapterSlots(model, rank=16)
+    g = torch.Generator().manual_seed(7)
+    terms = {name: (*_ab(g, 32, 48, r), 1.0) for name, r in (("a", 4), ("b", 4), ("c", 8))}
+    for name, term in terms.items():
+        slots.add(name, {"to_q": term})
+    slots.compose([(("a", 1.0), ("b", -0.5), ("c", 2.0))])
+    x = torch.randn(1, 3, 32, generator=g)
+    with torch.no_grad():
+        got = model.qkv(x)[0]
+    want = _reference(x[0], model.src, {0: [(*terms["a"][:3], 1.0), (*terms["b"][:3], -0.5), (*terms["c"][:3], 2.0)]})
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_switching_adapters_keeps_every_buffer_in_place() -> None:
     """What a captured step reads stays where it was: composing other adapters (or none, then again) writes into the
     same buffers, and the same set twice is not composed again. Would catch buffers reallocated per batch."""
     model = _Parent()
     slots = AdapterSlots(model, rank=16, rows=2)
     g = torch.Generator().manual_seed(2)
+    assert slots.version == 0 and slots.rows == 2
     slots.add("ink", {"to_q": (*_ab(g, 32, 48, 4), 1.0), "out": (*_ab(g, 48, 32, 4), 1.0)})
     slots.add("fog", {"to_v": (*_ab(g, 32, 96, 16), 1.0)})
+    assert slots.version == 2  # one per layer that gained buffers (fog's layer had them)
     sides = [model.qkv.side, model.out.side]
+    # rows x (parts x rank) x features: three parts for the stacked layer, one for the plain one
+    assert (model.qkv.side.a.shape, model.qkv.side.bt.shape) == ((2, 48, 32), (2, 48, 192))
+    assert (model.out.side.a.shape, model.out.side.bt.shape) == ((2, 16, 48), (2, 16, 32))
     where = [t.data_ptr() for s in sides for t in s.buffers()]
     version = slots.version
     fills = []
@@ -101,7 +123,7 @@ def test_switching_adapters_keeps_every_buffer_in_place() -> None:
         assert [t.data_ptr() for s in sides for t in s.buffers()] == where and slots.version == version
     assert len(fills) == 3  # the last set repeated, and no adapters at all, compose nothing
     assert not torch.count_nonzero(model.out.side.a[1])  # row 1 of the previous batch was cleared
-    slots.compose([()] * 3)  # no adapters: nothing grows
+    assert not slots.compose([()] * 3) and not slots.state.on  # no adapters: nothing grows, the sides are off
     assert slots.rows == 2
     slots.compose([(("ink", 1.0),)] * 3)  # a larger batch grows the buffers (graphs must be captured again)
     assert slots.rows == 3 and slots.version == version + 1 and model.qkv.side.a.shape[0] == 3
@@ -117,8 +139,12 @@ def test_an_fp8_layer_takes_its_adapters_on_quantized_rows_and_on_plain_ones() -
     parent = nn.Module()
     parent.proj = layer
     slots = AdapterSlots(parent, rank=16)
+    assert slots.rows == 1
     a, b = _ab(g, 64, 32, 8)
     slots.add("ink", {"proj": (a, b, 0.5)})
+    # fp8 A per row (each rank row its own scale), as the layer's weight is per output channel
+    term = slots.adapters["ink"].terms["proj"][0]
+    torch.testing.assert_close(term.a8_scale, a.abs().amax(1) / torch.finfo(torch.float8_e4m3fn).max)
     slots.compose([(("ink", 0.8),), (("ink", -1.0),)])
     x = torch.randn(2, 6, 64, generator=g).to(torch.bfloat16)
     with torch.no_grad():
