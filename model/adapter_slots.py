@@ -116,8 +116,7 @@ class AdapterSlots:
             for name, layer in list(model.named_modules()):
                 if type(layer) is nn.Linear:
                     parent_name, _, attr = name.rpartition(".")
-                    setattr(model.get_submodule(parent_name) if parent_name else model, attr,
-                            Linear.from_linears([layer]))
+                    setattr(model.get_submodule(parent_name), attr, Linear.from_linears([layer]))
         self.layers: dict[str, Linear] = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
         self.origin: dict[str, tuple[str, int]] = {}
         for name, layer in self.layers.items():
@@ -238,7 +237,7 @@ class AdapterSlots:
     def _fill(self, key: tuple) -> None:
         """A few multi-tensor passes: zero every buffer, copy each term into its row's place, scale each copied A
         (and fp8 A scale) by the request's scale."""
-        zero = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for s in self._sides() for t in s.buffers()]
+        zero = [t.view(torch.uint8) for s in self._sides() for t in s.buffers()]  # zero bytes: +0.0 in every format
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         scaled: list[torch.Tensor] = []

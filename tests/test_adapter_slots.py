@@ -78,6 +78,7 @@ def test_a_stacked_layer_adds_each_rows_adapters_to_their_own_parts() -> None:
     for row in range(3):
         torch.testing.assert_close(got[row].double(), want[row], rtol=1e-5, atol=1e-5)
     slots.off()
+    assert slots.state.on is False
     with torch.no_grad():
         torch.testing.assert_close(model.qkv(x).double(), _reference(x, model.src, {}), rtol=1e-5, atol=1e-5)
 
@@ -123,7 +124,7 @@ def test_switching_adapters_keeps_every_buffer_in_place() -> None:
         assert [t.data_ptr() for s in sides for t in s.buffers()] == where and slots.version == version
     assert len(fills) == 3  # the last set repeated, and no adapters at all, compose nothing
     assert not torch.count_nonzero(model.out.side.a[1])  # row 1 of the previous batch was cleared
-    assert not slots.compose([()] * 3) and not slots.state.on  # no adapters: nothing grows, the sides are off
+    assert slots.compose([()] * 3) is False and slots.state.on is False  # no adapters: nothing grows, sides off
     assert slots.rows == 2
     slots.compose([(("ink", 1.0),)] * 3)  # a larger batch grows the buffers (graphs must be captured again)
     assert slots.rows == 3 and slots.version == version + 1 and model.qkv.side.a.shape[0] == 3
@@ -151,9 +152,11 @@ def test_an_fp8_layer_takes_its_adapters_on_quantized_rows_and_on_plain_ones() -
         base = layer.quant.apply(layer, x, layer.bias)
         for given in (x, fp8_ops.Fp8Rows(*fp8_ops.quantize_rows_eager(x.reshape(-1, 64)), x.shape)):
             term = (layer(given) - base).double()
+            # bf16 rows meet bf16 A (bf16 rounding); quantized rows meet the fp8 A (fp8 rounding of both)
+            bound = 0.08 if isinstance(given, fp8_ops.Fp8Rows) else 0.015
             for row, s in enumerate((0.8, -1.0)):
                 want = s * 0.5 * (x[row].double() @ a.double().t()) @ b.double().t()
-                assert (term[row] - want).norm() / want.norm() < 0.08, (type(given), row)
+                assert (term[row] - want).norm() / want.norm() < bound, (type(given), row)
     assert layer.side.a8.dtype == torch.float8_e4m3fn and layer.side.a8_scale[1].abs().max() > 0
 
 
@@ -206,7 +209,7 @@ def test_refusals_say_why() -> None:
     g = torch.Generator().manual_seed(5)
     with pytest.raises(ValueError, match="rank 32 at to_q; this pool serves adapters up to rank 16"):
         slots.add("wide", {"to_q": (*_ab(g, 32, 48, 32), 1.0)})
-    with pytest.raises(ValueError, match="reaches to_z, which this model does not serve"):
+    with pytest.raises(ValueError, match="reaches to_z, which this model does not serve as a linear layer"):
         slots.add("lost", {"to_z": (*_ab(g, 32, 48, 4), 1.0)})
     with pytest.raises(ValueError, match="do not fit a layer of 32 -> 96"):
         slots.add("bent", {"to_v": (*_ab(g, 32, 48, 4), 1.0)})
@@ -217,6 +220,11 @@ def test_refusals_say_why() -> None:
         slots.compose([(("ink", 1.0), ("fog", 1.0))])
     with pytest.raises(ValueError, match="unknown LoRA adapter"):
         slots.compose([(("nope", 1.0),)])
+    with pytest.raises(ValueError, match="'ink' is loaded already"):
+        slots.add("ink", {"to_q": (*_ab(g, 32, 48, 4), 1.0)})
+    slots.remove("fog")
+    with pytest.raises(ValueError, match=r"unknown LoRA adapter 'fog'; loaded: \['ink'\]"):
+        slots.remove("fog")
     with pytest.raises(ValueError, match="multiple of 16"):
         AdapterSlots(_Parent(), rank=24)
     with pytest.raises(ValueError, match="convert before attaching adapters"):
