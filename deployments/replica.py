@@ -5,8 +5,9 @@ in this process at tp == 1, on one actor per rank at tp > 1. The replica never l
 is the Serve deployment around it.
 
 Requests arrive one image at a time (`generate(job)`); `@serve.batch` collects them and the batch
-handler runs one pipeline call per group of compatible jobs (same size/steps/guidance/quality), so
-every image keeps its own seed and a batched lossless image equals the same request served alone.
+handler runs one pipeline call per group of compatible jobs (same size/steps/guidance/quality, and adapters unless
+the pool composes each image's own: `adapter_rank`), so every image keeps its own seed and a batched lossless image
+equals the same request served alone.
 """
 
 from __future__ import annotations
