@@ -37,8 +37,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench.e2e import timed  # noqa: E402
 from model.loading import load_pipeline  # noqa: E402
+from model.metrics import psnr  # noqa: E402
 from model.pipeline import GenerationRequest  # noqa: E402
 from tests._inputs import write_random_lora  # noqa: E402
+
+
+def _db(value: float) -> float | str:
+    return round(value, 2) if value != float("inf") else "inf"  # (equal images: JSON has no infinity)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             if i:
                 times[name].append(t)
     eager = pipe.generate(lossless["lossless_lora"], cuda_graphs=False)[0]
+    lossless_base = pipe.generate(lossless["lossless"])[0]
     lossless_equal = eager.png == out[0].png and bool(torch.equal(eager.latents, out[0].latents))
     print(f"lossless: {times}; graphed adapter image equal to eager: {lossless_equal}", flush=True)
     pipe.remove_lora("a0")
@@ -104,9 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         pipe.generate(batch)
     captures = graphs.captures if graphs is not None else 0
     times.update({k: [] for k in variants})
+    last: dict[str, list] = {}
     for i in range(args.repeats):
         for name, batch in variants.items():
-            times[name].append(timed(lambda: pipe.generate(batch))[0])
+            t, last[name] = timed(lambda: pipe.generate(batch))
+            times[name].append(t)
         print(f"  repeat {i}: " + ", ".join(f"{k} {times[k][-1]:.3f}s" for k in variants), flush=True)
     slots = pipe.adapter_slots
 
@@ -127,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         "lora_overhead_high_pct": round(100 * (med["lora"] / med["base"] - 1), 2),
         "lora_overhead_lossless_pct": round(100 * (med["lossless_lora"] / med["lossless"] - 1), 2),
         "lossless_lora_graphed_png_equal_eager": lossless_equal,
+        # the same adapter, request and seed: high with slots against lossless with PEFT (random weights: weak)
+        "psnr_high_lora_vs_lossless_lora_db": _db(psnr(last["lora"][0].png, eager.png)),
+        "psnr_high_vs_lossless_db": _db(psnr(last["base"][0].png, lossless_base.png)),
         "mixed_batch_ratio": round(med["mixed4"] / med["one4"], 4),
         "adapter_switch_ms": round(1000 * statistics.median(switch_s), 3),
         "captures_during_timed_runs": (graphs.captures if graphs is not None else 0) - captures,
@@ -137,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("gpu", "seconds", "lora_overhead_high_pct", "lora_overhead_lossless_pct",
-                                             "lossless_lora_graphed_png_equal_eager", "mixed_batch_ratio",
+                                             "lossless_lora_graphed_png_equal_eager",
+                                             "psnr_high_lora_vs_lossless_lora_db", "mixed_batch_ratio",
                                              "adapter_switch_ms", "captures_during_timed_runs")}, indent=2))
     return 0
 
