@@ -13,7 +13,8 @@ from typing import Any
 from deployments.errors import BadRequest
 from model.features import FEATURES, POOL_OPTIONS, Feature, app_techniques, is_on, refusal, standing_in
 from model.form import ServingForm
-from model.request import DEFAULT_MODEL, DEFAULT_STEPS, DTYPES, MAX_INPUT_PIXELS, QUALITIES, SizeError, step_cache_error
+from model.request import (DEFAULT_MODEL, DEFAULT_STEPS, DTYPES, MAX_INPUT_PIXELS, QUALITIES, SizeError,
+                           adapter_rank_error, step_cache_error)
 from model.request import parse_size as parse_request_size
 
 
@@ -275,9 +276,10 @@ def _check_option_type(f: Feature, value: Any, pool: str) -> None:
         error = step_cache_error(value)
         if error is not None:
             raise ValueError(f"{f.where_in(pool)} {error} (or null)")
-    if f.option_type is int and value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 16 or value % 16):
-        raise ValueError(f"{f.where_in(pool)} must be a multiple of 16 (or null), got {value!r}")
+    if f.option_type is int and value is not None:
+        error = adapter_rank_error(value)
+        if error is not None:
+            raise ValueError(f"{f.where_in(pool)} {error} (or null)")
 
 
 def _with_defaults(pool: PoolArgs, name: str, given: dict[str, Any], app_on: frozenset[str],

@@ -30,6 +30,7 @@ from torch import nn
 
 from kernels import fp8 as fp8_ops
 from model.linear import Linear
+from model.request import adapter_rank_error
 
 Rows = Sequence[tuple[tuple[str, float], ...]]  # each batch row's (adapter name, scale) pairs
 
@@ -103,8 +104,9 @@ class AdapterSlots:
     `rows`: the largest batch (the buffers grow, dropping captured graphs, if a larger one comes)."""
 
     def __init__(self, model: nn.Module, rank: int, rows: int = 1) -> None:
-        if rank < 16 or rank % 16:
-            raise ValueError(f"the adapter rank budget must be a multiple of 16 (fp8 GEMM shapes), got {rank}")
+        error = adapter_rank_error(rank)
+        if error is not None:
+            raise ValueError(f"the adapter rank budget {error}")
         self.model, self.rank, self.rows = model, rank, max(1, rows)
         self.adapters: dict[str, _Adapter] = {}
         self.state = _State()

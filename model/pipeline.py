@@ -419,24 +419,20 @@ class FluxServePipeline:
         `load_loras`."""
         from model.adapters import load_adapter, read_adapter
 
-        if self._slots is not None:
-            if name in self.loras:
-                raise ValueError(f"adapter {name!r} is loaded already; unload it first")
-            with self._lock:
-                reached = self._slots.add(name, read_adapter(self.pipe, name, path, self.transformer))
-                self.form = replace(self.form, loras=(*self.form.loras, (name, str(path))))
-                if self._slots.version != self._slots_version:
-                    self._drop_graphs()
-            return reached
-        if self.fp8 or self.fused_projections or self.fused_lora is not None:
+        if self._slots is None and (self.fp8 or self.fused_projections or self.fused_lora is not None):
             raise ValueError("adapters cannot be added to a converted transformer or one with a fused adapter")
         if name in self.loras:
             raise ValueError(f"adapter {name!r} is loaded already; unload it first")
         with self._lock:
-            reached = load_adapter(self.pipe, name, path)
+            if self._slots is not None:
+                reached = self._slots.add(name, read_adapter(self.pipe, name, path, self.transformer))
+                if self._slots.version != self._slots_version:  # a layer gained buffers
+                    self._drop_graphs()
+            else:
+                reached = load_adapter(self.pipe, name, path)
+                self.pipe.disable_lora()
+                self._drop_graphs()
             self.form = replace(self.form, loras=(*self.form.loras, (name, str(path))))
-            self.pipe.disable_lora()
-            self._drop_graphs()
         return reached
 
     def remove_lora(self, name: str) -> None:
@@ -488,8 +484,7 @@ class FluxServePipeline:
             self.pipe.fuse_lora(components=["transformer"], lora_scale=1.0, adapter_names=[name])
             self.pipe.unload_lora_weights()
             self.form = replace(self.form, loras=(), fused_lora=(name, float(scale)))
-            if self._step_graphs is not None:
-                self._step_graphs.reset()
+            self._drop_graphs()
 
     def _activate_loras(self, requests: list[GenerationRequest]) -> None:
         """Switch on the adapters the batch names: each image's own, composed into the slots; else (PEFT) the
@@ -546,8 +541,7 @@ class FluxServePipeline:
                 kept = family_of(self.transformer).quantize_fp8(self.transformer, fp8_adaln)
                 self.form = replace(self.form, fp8=True)
                 self.fp8_layers = sum(is_fp8(m) for m in self.transformer.modules())
-            if self._step_graphs is not None:
-                self._step_graphs.reset()  # captured with the old layers
+            self._drop_graphs()  # captured with the old layers
         self.release_memory()  # the replaced bf16 weights
         return {"fp8": self.fp8, "fused_projections": self.fused_projections, "kept_bf16": kept}
 

@@ -125,6 +125,14 @@ def step_cache_error(threshold: object) -> str | None:
     return None
 
 
+def adapter_rank_error(rank: object) -> str | None:
+    """What is wrong with a pool's adapter rank budget (`adapter_rank`: the rank one image's adapters may use per
+    projection), or None: a multiple of 16, as the fp8 GEMMs of the adapter side path need."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 16 or rank % 16:
+        return f"must be a multiple of 16, got {rank!r}"
+    return None
+
+
 def validate_batch(requests: list[GenerationRequest], mixed_adapters: bool = False) -> None:
     """Raise ValueError unless `requests` is a non-empty, valid batch whose requests share every batch-level knob
     (the adapters too, unless `mixed_adapters`)."""
