@@ -111,6 +111,7 @@ class AdapterSlots:
         self.adapters: dict[str, _Adapter] = {}
         self.state = _State()
         self.version = 0  # bumped when layers gain or change buffers: captured graphs hold the old ones
+        self._captured_at = 0  # the version the model's captured graphs (if any) were taken at
         self._composed: tuple | None = None
         # Every linear of the model as a `Linear` (F.linear, the same kernels as nn.Linear), so any layer an adapter
         # reaches can carry a side; and where an unfused layer's adapter lands: name -> (served layer, part).
@@ -224,6 +225,13 @@ class AdapterSlots:
 
     def off(self) -> None:
         self.state.on = False
+
+    def graphs_stale(self) -> bool:
+        """Whether buffers were made or grown since `graphs_dropped`: graphs captured before hold the old ones."""
+        return self.version != self._captured_at
+
+    def graphs_dropped(self) -> None:
+        self._captured_at = self.version
 
     def _sides(self) -> list[Side]:
         return [layer.side for layer in self.layers.values() if layer.side is not None]

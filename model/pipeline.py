@@ -206,7 +206,6 @@ class FluxServePipeline:
         self.fp8_layers = 0  # fp8 linear layers the conversion made (reported in each result's `ran`)
         # Adapters served beside converted layers (enable_adapter_slots); None: adapters go through PEFT.
         self._slots: Any = None
-        self._slots_version = 0
         # generate() mounts/unmounts sites on the shared transformer: never let two batches interleave.
         self._lock = threading.Lock()
 
@@ -389,7 +388,7 @@ class FluxServePipeline:
         if self._step_graphs is not None:
             self._step_graphs.reset()
         if self._slots is not None:
-            self._slots_version = self._slots.version
+            self._slots.graphs_dropped()
 
     def load_loras(self, loras: dict[str, str]) -> None:
         """Load LoRA files (any format diffusers' FLUX LoRA loader reads) once, each under its name, all inactive:
@@ -426,7 +425,7 @@ class FluxServePipeline:
         with self._lock:
             if self._slots is not None:
                 reached = self._slots.add(name, read_adapter(self.pipe, name, path, self.transformer))
-                if self._slots.version != self._slots_version:  # a layer gained buffers
+                if self._slots.graphs_stale():  # a layer gained buffers
                     self._drop_graphs()
             else:
                 reached = load_adapter(self.pipe, name, path)
@@ -493,7 +492,7 @@ class FluxServePipeline:
             if requests[0].quality != "high" and any(r.loras for r in requests):
                 raise ValueError("adapters served beside the layers are not bit-exact: high batches only")
             self._slots.compose([r.loras for r in requests])
-            if self._slots.version != self._slots_version:  # the buffers grew for a larger batch
+            if self._slots.graphs_stale():  # the buffers grew for a larger batch
                 self._drop_graphs()
             return
         loras = requests[0].loras
