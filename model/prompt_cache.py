@@ -4,7 +4,8 @@ two tiers, a retry) skips CLIP and T5.
 A hook on a diffusers pipeline's `encode_prompt`, not model code. The key is every argument of the call (prompts,
 device, images per prompt, sequence length, LoRA scale) and the pipeline class, so a hit returns what the same call
 would compute again (the encoders are deterministic for equal inputs and shapes): output stays byte-identical to
-stock diffusers, which encodes every time.
+stock diffusers, which encodes every time. A call made while a text encoder runs a LoRA adapter is neither answered
+from the cache nor kept: its output depends on which adapters are on, which no argument says.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class PromptCache:
             args = dict(prompt=prompt, prompt_2=prompt_2, device=device, num_images_per_prompt=num_images_per_prompt,
                         prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
                         max_sequence_length=max_sequence_length, lora_scale=lora_scale)
-            if prompt_embeds is not None or pooled_prompt_embeds is not None or self.size == 0:
-                return encode(**args)  # embeddings given: nothing to encode, nothing to keep
+            if prompt_embeds is not None or pooled_prompt_embeds is not None or self.size == 0 or _adapted(pipe):
+                return encode(**args)  # embeddings given, or encoders adapted: nothing to look up, nothing to keep
             key = (kind, _texts(prompt), _texts(prompt_2), str(device), num_images_per_prompt, max_sequence_length,
                    lora_scale)
             with self._lock:
@@ -69,6 +70,20 @@ class PromptCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _adapted(pipe: Any) -> bool:
+    """Whether a text encoder of `pipe` has a LoRA adapter switched on now (diffusers loads an adapter's text-encoder
+    part through transformers' PEFT integration, which marks the encoder)."""
+    encoders = [getattr(pipe, name, None) for name in ("text_encoder", "text_encoder_2")]
+    encoders = [e for e in encoders if getattr(e, "_hf_peft_config_loaded", False)]
+    if not encoders:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) and not m.disable_adapters
+               and any(a in getattr(m, "lora_A", {}) for a in m.active_adapters)
+               for e in encoders for m in e.modules())
 
 
 def _texts(prompt: Any) -> tuple[str, ...] | None:

@@ -49,16 +49,22 @@ def data_url(png: bytes) -> str:
 
 
 def write_random_lora(transformer: torch.nn.Module, path: Path, seed: int, rank: int = 4,
-                      targets: tuple[str, ...] = LORA_TARGETS, std: float = 0.2) -> Path:
-    """A random adapter in diffusers/PEFT key format on every block linear whose name ends with one of `targets`."""
+                      targets: tuple[str, ...] = LORA_TARGETS, std: float = 0.2,
+                      text_encoder: torch.nn.Module | None = None) -> Path:
+    """A random adapter in diffusers/PEFT key format on every block linear whose name ends with one of `targets`;
+    with `text_encoder` (CLIP), on its attention projections too."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
     sd = {}
-    for name, mod in transformer.named_modules():
-        if "blocks." in name and name.endswith(targets) and isinstance(mod, torch.nn.Linear):
-            sd[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, mod.in_features, generator=g) * std
-            sd[f"transformer.{name}.lora_B.weight"] = torch.randn(mod.out_features, rank, generator=g) * std
+    parts = [("transformer", transformer, "blocks.", targets)]
+    if text_encoder is not None:
+        parts.append(("text_encoder", text_encoder, "layers.", ("q_proj", "k_proj", "v_proj", "out_proj")))
+    for prefix, model, inside, ends in parts:
+        for name, mod in model.named_modules():
+            if inside in name and name.endswith(ends) and isinstance(mod, torch.nn.Linear):
+                sd[f"{prefix}.{name}.lora_A.weight"] = torch.randn(rank, mod.in_features, generator=g) * std
+                sd[f"{prefix}.{name}.lora_B.weight"] = torch.randn(mod.out_features, rank, generator=g) * std
     save_file(sd, str(path))
     return path
 

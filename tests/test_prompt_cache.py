@@ -132,3 +132,34 @@ def test_given_embeddings_are_not_kept_and_the_oldest_entry_goes_first() -> None
     assert len(solo.calls) == 1  # a cache of one still keeps one
     with pytest.raises(ValueError, match="prompt cache size must be >= 0, got -1"):
         prompt_cache.PromptCache(-1)
+
+
+def test_prompts_encoded_with_a_text_encoder_adapter_on_are_not_cached(tiny_path: Path, tmp_path: Path) -> None:
+    """An adapter with a CLIP part changes the prompt's embeddings: one prompt, adapters switched on and off between
+    requests, every image byte-identical to stock diffusers with the same adapters (a cache keyed by the call's
+    arguments alone answers the adapted request with the plain embeddings, or the reverse)."""
+    pytest.importorskip("peft")
+    from tests._inputs import write_random_lora
+
+    pipe = load_pipeline(str(tiny_path))
+    ref = diffusers_reference(pipe)
+    path = str(write_random_lora(pipe.transformer, tmp_path / "te.safetensors", 7, text_encoder=pipe.pipe.text_encoder))
+    pipe.load_loras({"te": path})
+    ref.load_lora_weights(path, adapter_name="te")
+    seen = {}
+    for loras in [(), (("te", 0.8),), (), (("te", 0.5),), (("te", 0.8),)]:
+        req = GenerationRequest("a lighthouse at dusk", height=64, width=64, steps=2, seed=1, loras=loras)
+        got = pipe.generate([req])[0]
+        if loras:
+            ref.enable_lora()
+            ref.set_adapters([n for n, _ in loras], [s for _, s in loras])
+        else:
+            ref.disable_lora()
+        latents, pngs = run_flux_pipeline(ref, [req])
+        assert torch.equal(got.latents, latents[0]) and got.png == pngs[0], loras
+        seen[loras] = got.latents
+    assert pipe.prompt_cache.hits == 1  # the plain prompt, asked again; adapted calls neither hit nor filled it
+    # the adapter's CLIP part matters: the same adapter on the transformer alone draws another image
+    ref.set_adapters(["te"], [{"transformer": 0.8, "text_encoder": 0.0}])
+    req = GenerationRequest("a lighthouse at dusk", height=64, width=64, steps=2, seed=1, loras=(("te", 0.8),))
+    assert not torch.equal(run_flux_pipeline(ref, [req])[0][0], seen[(("te", 0.8),)])
