@@ -480,8 +480,10 @@ class FluxServePipeline:
         with self._lock:
             self.pipe.enable_lora()
             self.pipe.set_adapters([name], [float(scale)])
-            self.pipe.fuse_lora(components=["transformer"], lora_scale=1.0, adapter_names=[name])
+            # every part of the adapter, as a user's fuse_lora() does (an adapter's CLIP part included)
+            self.pipe.fuse_lora(components=["transformer", "text_encoder"], lora_scale=1.0, adapter_names=[name])
             self.pipe.unload_lora_weights()
+            self.prompt_cache.clear()
             self.form = replace(self.form, loras=(), fused_lora=(name, float(scale)))
             self._drop_graphs()
 

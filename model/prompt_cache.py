@@ -68,6 +68,11 @@ class PromptCache:
         pipe.encode_prompt = cached
         pipe.__dict__["_fluxserve_prompt_cache"] = self
 
+    def clear(self) -> None:
+        """Forget every entry: the text encoders' weights changed (an adapter's CLIP part fused into them)."""
+        with self._lock:
+            self._entries.clear()
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -167,13 +167,17 @@ def test_serving_adapters_keeps_the_high_pool_unconverted_by_default(tp: int) ->
     assert {"lora", "cuda_graphs"} <= graphed.form("lossless").techniques()  # captured per adapter set
 
 
-def test_a_fused_adapter_is_byte_identical_to_stock_diffusers_fused(tiny_path: Path,
-                                                                  lora_files: dict[str, str]) -> None:
-    """fuse_lora (a deployment serving one adapter): the adapter merged into the weights by diffusers' fuse_lora,
-    its layers unloaded; lossless equals stock diffusers doing the same, differs from the base model, and the
-    high-tier conversion may follow."""
+def test_a_fused_adapter_is_byte_identical_to_stock_diffusers_fused(tiny_path: Path, tmp_path: Path) -> None:
+    """fuse_lora (a deployment serving one adapter): the adapter, CLIP part included, merged into the weights by
+    diffusers' fuse_lora, its layers unloaded; lossless equals stock diffusers fusing both parts, draws what the
+    unfused adapter draws (the prompt, encoded before fusing, is encoded again), and the high-tier conversion may
+    follow."""
     ours = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
     ref = diffusers_reference(ours)
+    path = str(write_random_lora(ours.transformer, tmp_path / "ink.safetensors", 1,
+                                 text_encoder=ours.pipe.text_encoder))
+    lora_files = {"ink": path}
+    clip = {n: p.clone() for n, p in ours.pipe.text_encoder.named_parameters()}
     base = ours.generate([_req()])[0]
     ours.load_loras({"ink": lora_files["ink"]})
     unfused = ours.generate([_req((("ink", 1.0),))])[0]
@@ -181,8 +185,11 @@ def test_a_fused_adapter_is_byte_identical_to_stock_diffusers_fused(tiny_path: P
     assert ours.loras == {} and ours.fused_lora == ("ink", 1.0)
     assert not any("lora" in n for n, _ in ours.transformer.named_parameters())  # no adapter layers remain
     ref.load_lora_weights(lora_files["ink"], adapter_name="ink")
-    ref.fuse_lora(components=["transformer"], lora_scale=1.0, adapter_names=["ink"])
+    ref.fuse_lora(components=["transformer", "text_encoder"], lora_scale=1.0, adapter_names=["ink"])
     ref.unload_lora_weights()
+    assert not any("lora" in n for n, _ in ours.pipe.text_encoder.named_parameters())
+    q = next(n for n in clip if n.endswith("layers.0.self_attn.q_proj.weight"))
+    assert not torch.equal(ours.pipe.text_encoder.state_dict()[q], clip[q])  # its CLIP part fused
     got = ours.generate([_req()])[0]
     lat, png = run_flux_pipeline(ref, [_req()])
     assert torch.equal(got.latents, lat[0]) and got.png == png[0]
