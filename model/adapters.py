@@ -74,8 +74,8 @@ def read_adapter(pipe: Any, name: str, path: str, model: nn.Module) -> dict[str,
                                                                                        float]]:
     """Adapter file `path` as the unfused model's per-layer tensors {layer: (A [r, K], B [N, r], alpha / r)}, read
     by the pipeline's own loader into a skeleton of `model` (the model's diffusers class; `model` itself is not
-    touched) and left nowhere else: for adapters served beside converted layers (model/adapter_slots.py), which
-    take the transformer part only."""
+    touched): for adapters served beside converted layers (model/adapter_slots.py). Its text-encoder part, if any,
+    stays in the pipeline's text encoders (PEFT; `switch_text_adapters` turns it on per batch)."""
     skeleton = _loaded_skeleton(pipe, name, path, _skeleton(model))
     out = {}
     for layer_name, layer in skeleton.named_modules():
@@ -86,13 +86,32 @@ def read_adapter(pipe: Any, name: str, path: str, model: nn.Module) -> dict[str,
             raise ValueError(f"adapter file {path}: DoRA and LoRA biases are not served beside converted layers")
         out[layer_name] = (layer.lora_A[name].weight.detach(), layer.lora_B[name].weight.detach(),
                            float(layer.scaling[name]))
-    text_parts = [c for c in ("text_encoder", "text_encoder_2")
-                  if name in (getattr(getattr(pipe, c, None), "peft_config", None) or {})]
-    if text_parts:
-        pipe.delete_adapters([name])
-        raise ValueError(f"adapter file {path} also adapts {text_parts}: adapters served beside converted layers "
-                         "take the transformer part only; serve it from a pool without conversions")
     return out
+
+
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+
+
+def text_adapters(pipe: Any) -> set[str]:
+    """The adapters with a text-encoder part in `pipe`'s text encoders (diffusers loads that part there with PEFT)."""
+    return {name for c in TEXT_ENCODERS for name in (getattr(getattr(pipe, c, None), "peft_config", None) or {})}
+
+
+def switch_text_adapters(pipe: Any, loras: tuple[tuple[str, float], ...]) -> None:
+    """Switch on exactly the text-encoder parts of `loras` ((name, scale), as `set_adapters` takes them) in each of
+    `pipe`'s text encoders, and the rest off."""
+    from diffusers.loaders.lora_base import (disable_lora_for_text_encoder, enable_lora_for_text_encoder,
+                                             set_adapters_for_text_encoder)
+
+    for c in TEXT_ENCODERS:
+        encoder = getattr(pipe, c, None)
+        held = getattr(encoder, "peft_config", None) or {}
+        mine = [(n, float(s)) for n, s in loras if n in held]
+        if mine:
+            set_adapters_for_text_encoder([n for n, _ in mine], encoder, [s for _, s in mine])
+            enable_lora_for_text_encoder(encoder)
+        elif held:
+            disable_lora_for_text_encoder(encoder)
 
 
 def load_adapter(pipe: Any, name: str, path: str) -> list[str]:

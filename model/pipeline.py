@@ -104,12 +104,14 @@ def edit_pipeline(pipe: Any, inpaint: bool) -> Any:
 
 def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bool = False,
                       should_stop: Callable[[], bool] | None = None,
-                      previews: PreviewSink | None = None, encode: bool = True) -> tuple[list[torch.Tensor], list[Any]]:
+                      previews: PreviewSink | None = None, encode: bool = True,
+                      embeds: tuple[Any, Any] | None = None) -> tuple[list[torch.Tensor], list[Any]]:
     """Run any diffusers FluxPipeline (ours or the stock reference) on one uniform batch.
 
     Returns (unpacked final latents per request on the CPU, PNG bytes per request; encode=False: the PIL images).
     The same call is used for our pipeline and for the reference, so the two can only differ through their
     transformers. `previews`: partial images after the steps it names (model/preview.py); they only read the latents.
+    `embeds`: the batch's prompts already encoded (prompt, pooled), in place of encoding them here.
     """
     import torch
 
@@ -155,7 +157,7 @@ def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bo
     pipe.set_progress_bar_config(disable=not progress, desc=f"{first.quality} {first.width}x{first.height}")
     images = pipe(
         **edit,
-        prompt=prompts,
+        **(dict(prompt=prompts) if embeds is None else dict(prompt_embeds=embeds[0], pooled_prompt_embeds=embeds[1])),
         height=first.height,
         width=first.width,
         num_inference_steps=first.steps,
@@ -416,7 +418,7 @@ class FluxServePipeline:
         loader on a skeleton, its layers then moved into the served transformer, sharded or not (model/adapters.py).
         Returns the layers it reaches (a TP rank shards the adapter there). Not on a converted transformer, like
         `load_loras`."""
-        from model.adapters import load_adapter, read_adapter
+        from model.adapters import load_adapter, read_adapter, text_adapters, unload_adapter
 
         if self._slots is None and (self.fp8 or self.fused_projections or self.fused_lora is not None):
             raise ValueError("adapters cannot be added to a converted transformer or one with a fused adapter")
@@ -424,7 +426,13 @@ class FluxServePipeline:
             raise ValueError(f"adapter {name!r} is loaded already; unload it first")
         with self._lock:
             if self._slots is not None:
-                reached = self._slots.add(name, read_adapter(self.pipe, name, path, self.transformer))
+                tensors = read_adapter(self.pipe, name, path, self.transformer)
+                try:
+                    reached = self._slots.add(name, tensors)
+                except ValueError:
+                    if name in text_adapters(self.pipe):  # (its text-encoder part was loaded by the reading)
+                        unload_adapter(self.pipe, name)
+                    raise
                 if self._slots.graphs_stale():  # a layer gained buffers
                     self._drop_graphs()
             else:
@@ -436,13 +444,15 @@ class FluxServePipeline:
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter (loaded at start or since), freeing its tensors; batches naming it are then refused."""
-        from model.adapters import unload_adapter
+        from model.adapters import text_adapters, unload_adapter
 
         if name not in self.loras:
             raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.loras)}")
         with self._lock:
             if self._slots is not None:
                 self._slots.remove(name)  # (the buffers stay: captured steps stay valid)
+                if name in text_adapters(self.pipe):
+                    unload_adapter(self.pipe, name)
             else:
                 unload_adapter(self.pipe, name)
                 self._drop_graphs()
@@ -487,16 +497,18 @@ class FluxServePipeline:
             self.form = replace(self.form, loras=(), fused_lora=(name, float(scale)))
             self._drop_graphs()
 
-    def _activate_loras(self, requests: list[GenerationRequest]) -> None:
+    def _activate_loras(self, requests: list[GenerationRequest]) -> tuple[Any, Any] | None:
         """Switch on the adapters the batch names: each image's own, composed into the slots; else (PEFT) the
-        batch's one set."""
+        batch's one set. With slots, adapters' text-encoder parts are switched on for the batch when its images
+        agree on them; where they differ, each group of prompts is encoded with its own, and the embeddings
+        (prompt, pooled) are returned for the batch."""
         if self._slots is not None:
             if requests[0].quality != "high" and any(r.loras for r in requests):
                 raise ValueError("adapters served beside the layers are not bit-exact: high batches only")
             self._slots.compose([r.loras for r in requests])
             if self._slots.graphs_stale():  # the buffers grew for a larger batch
                 self._drop_graphs()
-            return
+            return self._text_parts(requests)
         loras = requests[0].loras
         unknown = [name for name, _ in loras if name not in self.loras]
         if unknown:
@@ -508,6 +520,32 @@ class FluxServePipeline:
             self.pipe.set_adapters([n for n, _ in loras], [float(s) for _, s in loras])
         else:
             self.pipe.disable_lora()
+
+    def _text_parts(self, requests: list[GenerationRequest]) -> tuple[Any, Any] | None:
+        """A slot batch's adapters' text-encoder parts (PEFT, in the text encoders): one set switched on for the
+        whole batch, or, where images name different ones, their prompts encoded group by group."""
+        from model.adapters import switch_text_adapters, text_adapters
+
+        held = text_adapters(self.pipe)
+        if not held:
+            return None
+        sets = [tuple((n, s) for n, s in r.loras if n in held) for r in requests]
+        if len(set(sets)) == 1:
+            switch_text_adapters(self.pipe, sets[0])
+            return None
+        import torch
+
+        embeds: list[Any] = [None] * len(requests)
+        for group in dict.fromkeys(sets):
+            rows = [i for i, t in enumerate(sets) if t == group]
+            switch_text_adapters(self.pipe, group)
+            prompt, pooled, _ = self.pipe.encode_prompt(
+                prompt=[requests[i].prompt for i in rows], prompt_2=None, device=self.device,
+                max_sequence_length=max_sequence_length(self.pipe))
+            for j, i in enumerate(rows):
+                embeds[i] = (prompt[j], pooled[j])
+        switch_text_adapters(self.pipe, ())
+        return torch.stack([e[0] for e in embeds]), torch.stack([e[1] for e in embeds])
 
     def fp8_refusal(self) -> str | None:
         """Why fp8 layers cannot run for this pipeline's transformer, or None when they can."""
@@ -594,7 +632,7 @@ class FluxServePipeline:
         plan = self.plan(quality, compiled, cuda_graphs, step_cache=requests[0].step_cache)
         with self._lock:
             t0 = time.perf_counter()
-            self._activate_loras(requests)
+            embeds = self._activate_loras(requests)
             replays = self._step_graphs.replays if self._step_graphs is not None else 0
             try:
                 with applied_tier(self.transformer, plan, block_runners=self._compiled_runners,
@@ -605,7 +643,7 @@ class FluxServePipeline:
                         self.last_mount_report = report.mount_report
                     t1 = time.perf_counter()
                     latents, images = run_flux_pipeline(self.pipe, requests, progress, should_stop, previews,
-                                                        encode=False)
+                                                        encode=False, embeds=embeds)
             finally:
                 if self._slots is not None:
                     self._slots.off()

@@ -9,6 +9,7 @@ adapter switches (what a captured CUDA graph reads). (The GPU forms: tests/test_
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from model.pipeline import GenerationRequest
 
 peft = pytest.importorskip("peft")
 
+from model.adapters import text_adapters  # noqa: E402
 from model.loading import load_pipeline  # noqa: E402
 from tests._inputs import write_random_lora  # noqa: E402
 
@@ -241,11 +243,13 @@ def _req(loras: tuple = (), seed: int = 5, quality: str = "high") -> GenerationR
 @pytest.fixture(scope="module")
 def files(tiny_path: Path, tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("slot-loras")
-    t = load_pipeline(str(tiny_path)).transformer
+    pipe = load_pipeline(str(tiny_path))
+    t = pipe.transformer
     return {"ink": str(write_random_lora(t, d / "ink.safetensors", 1)),
             "fog": str(write_random_lora(t, d / "fog.safetensors", 2, rank=8,
                                          targets=("attn.to_k", "ff.net.0.proj", "proj_out", "norm1.linear",
-                                                  "proj_mlp")))}
+                                                  "proj_mlp"))),
+            "clip": str(write_random_lora(t, d / "clip.safetensors", 3, text_encoder=pipe.pipe.text_encoder))}
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +268,8 @@ def slot_pipe(tiny_path: Path, files: dict[str, str]):
     return pipe
 
 
-SETS = ((("ink", 1.0),), (("fog", 0.7),), (("ink", 0.5), ("fog", 1.0)), ())
+SETS = ((("ink", 1.0),), (("fog", 0.7),), (("ink", 0.5), ("fog", 1.0)), (), (("clip", 0.8),),
+        (("clip", 0.4), ("ink", 1.0)))  # (clip: an adapter with a text-encoder part)
 
 
 def test_fused_projections_with_slots_draw_what_peft_draws_unfused(slot_pipe, peft_pipe) -> None:
@@ -297,7 +302,32 @@ def test_a_batch_mixes_adapters_and_each_image_is_drawn_as_alone(slot_pipe) -> N
         validate_batch(batch)
 
 
-def test_slots_refuse_what_they_cannot_serve(slot_pipe, tiny_path: Path, files: dict[str, str], tiny_pipe) -> None:
+def test_text_encoder_parts_follow_each_image_of_a_mixed_batch(slot_pipe, peft_pipe) -> None:
+    """An adapter with a CLIP part on a slot pipeline: its text-encoder part stays in the text encoders (PEFT) and is
+    switched on for the images that name it. Alone, each set draws what PEFT draws on the unconverted model; in one
+    batch with images that name other text-encoder parts (or none), each prompt is encoded with its own and every
+    image is drawn as alone. Would catch the CLIP part dropped, one image's text adapters applied to the whole
+    batch, or the prompts' embeddings put back in the wrong rows."""
+    for loras in SETS[4:]:
+        got = slot_pipe.generate([_req(loras)])[0]
+        want = peft_pipe.generate([_req(loras, quality="lossless")])[0]
+        torch.testing.assert_close(got.latents, want.latents, rtol=1e-4, atol=1e-4)
+    clip_alone = slot_pipe.generate([_req(SETS[4])])[0].latents
+    assert (clip_alone - slot_pipe.generate([_req()])[0].latents).abs().max() > 1e-2
+    batch = [_req(SETS[4], seed=0), _req(SETS[0], seed=1), _req(SETS[5], seed=2)]
+    got = slot_pipe.generate(batch)
+    for i, r in enumerate(batch):
+        torch.testing.assert_close(got[i].latents, slot_pipe.generate([r])[0].latents, rtol=1e-4, atol=1e-4)
+    # an image without text adapters between two that have the same one, each with its own prompt
+    batch = [replace(_req(loras, seed=i), prompt=prompt)
+             for i, (loras, prompt) in enumerate([(SETS[4], "a red fox"), (SETS[3], "a barn"), (SETS[4], "a kite")])]
+    got = slot_pipe.generate(batch)
+    for i, r in enumerate(batch):
+        torch.testing.assert_close(got[i].latents, slot_pipe.generate([r])[0].latents, rtol=1e-4, atol=1e-4)
+
+
+def test_slots_refuse_what_they_cannot_serve(slot_pipe, tiny_path: Path, files: dict[str, str], tiny_pipe,
+                                            tmp_path: Path) -> None:
     """A lossless batch naming adapters is refused on a slot pipeline (not bit-exact); one naming none runs the
     layers' own kernels: byte-identical to the plain pipeline (every nn.Linear became a `Linear` calling F.linear)."""
     unconverted = load_pipeline(str(tiny_path))
@@ -305,6 +335,11 @@ def test_slots_refuse_what_they_cannot_serve(slot_pipe, tiny_path: Path, files: 
     unconverted.load_loras({"ink": files["ink"]})
     with pytest.raises(ValueError, match="high batches only"):
         unconverted.generate([_req(SETS[0], quality="lossless")])
+    wide = write_random_lora(tiny_pipe.transformer, tmp_path / "wide.safetensors", 4, rank=32,
+                             text_encoder=unconverted.pipe.text_encoder)
+    with pytest.raises(ValueError, match="has rank 32"):
+        unconverted.add_lora("wide", str(wide))
+    assert text_adapters(unconverted.pipe) == set() and "wide" not in unconverted.loras  # nothing of it stays
     lossless = unconverted.generate([_req(quality="lossless")])[0]
     stock = tiny_pipe.generate([_req(quality="lossless")])[0]
     assert torch.equal(lossless.latents, stock.latents) and lossless.png == stock.png
@@ -325,12 +360,13 @@ def test_runtime_load_and_unload_into_slots(tiny_path: Path, files: dict[str, st
     pipe.convert_for_high(fused_projections=True)
     pipe.enable_adapter_slots(16, rows=3)
     assert pipe.sync_loras({"fog": files["fog"]}) == {"added": ["fog"], "removed": []}
-    assert pipe.sync_loras(files) == {"added": ["ink"], "removed": []}
+    assert pipe.sync_loras(files) == {"added": ["ink", "clip"], "removed": []}
     for loras in SETS:
         assert torch.equal(pipe.generate([_req(loras)])[0].latents, slot_pipe.generate([_req(loras)])[0].latents)
     pipe.sync_loras({"ink": files["ink"]})
     with pytest.raises(ValueError, match="unknown LoRA adapter"):
         pipe.generate([_req(SETS[1])])
+    assert text_adapters(pipe.pipe) == set()  # the text-encoder part went with its adapter
     assert pipe.form.adapter_slots == 16 and "adapter_slots" in pipe.form.techniques()
     assert "lora" not in pipe.form.techniques()
 
@@ -352,6 +388,7 @@ def _tp_rank(rank: int, port: int, folder: str, outdir: str) -> None:
         worker.setup()
         res["sync"] = worker.sync_loras(files)
         res["mixed"] = worker.generate([_req(loras, seed=i) for i, loras in enumerate(SETS[:3])])
+        res["text"] = worker.generate([_req(SETS[4], seed=0), _req(SETS[0], seed=1)])
 
     report_rank(rank, outdir, body)
 
@@ -368,12 +405,15 @@ def test_tp2_ranks_compose_their_shares_of_each_images_adapters(files: dict[str,
 
     (tmp_path / "files.json").write_text(json.dumps(files))
     run = spawn_ranks(_tp_rank, WORLD, tiny_path, tmp_path, JOIN_TIMEOUT_S)
-    assert run[0]["sync"] == run[1]["sync"] == {"added": ["fog"], "removed": []}
+    assert run[0]["sync"] == run[1]["sync"] == {"added": ["fog", "clip"], "removed": []}
     for i, loras in enumerate(SETS[:3]):
         got = run[0]["mixed"][i]
         torch.testing.assert_close(got.latents, slot_pipe.generate([_req(loras, seed=i)])[0].latents,
                                    rtol=1e-4, atol=1e-4)
         assert got.ran.adapters == loras
+    for i, loras in enumerate((SETS[4], SETS[0])):  # text-encoder parts, per image, on each rank
+        torch.testing.assert_close(run[0]["text"][i].latents, slot_pipe.generate([_req(loras, seed=i)])[0].latents,
+                                   rtol=1e-4, atol=1e-4)
 
 
 # -- configuration -------------------------------------------------------------------------------------------------
