@@ -33,7 +33,7 @@ MODULES: dict[str, list[str]] = {
     "deployments/playground.py": ["tests/test_playground.py"],
     "model/prompt_cache.py": ["tests/test_prompt_cache.py"],
     "deployments/adapters.py": ["tests/test_adapters.py"],
-    "model/adapters.py": ["tests/test_adapters.py"],
+    "model/adapters.py": ["tests/test_adapters.py", "tests/test_adapter_slots.py"],
     "model/adapter_slots.py": ["tests/test_adapter_slots.py"],
     "model/family.py": ["tests/test_kontext.py", "tests/test_family.py"],
     "deployments/files.py": ["tests/test_files.py"],
