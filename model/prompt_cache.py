@@ -80,7 +80,9 @@ class PromptCache:
 def _adapted(pipe: Any) -> bool:
     """Whether a text encoder of `pipe` has a LoRA adapter switched on now (diffusers loads an adapter's text-encoder
     part through transformers' PEFT integration, which marks the encoder)."""
-    encoders = [getattr(pipe, name, None) for name in ("text_encoder", "text_encoder_2")]
+    from model.adapters import TEXT_ENCODERS
+
+    encoders = [getattr(pipe, name, None) for name in TEXT_ENCODERS]
     encoders = [e for e in encoders if getattr(e, "_hf_peft_config_loaded", False)]
     if not encoders:
         return False
