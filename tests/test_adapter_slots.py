@@ -353,6 +353,28 @@ def test_slots_refuse_what_they_cannot_serve(slot_pipe, tiny_path: Path, files: 
         slot_pipe.fuse_lora("ink")
 
 
+@pytest.mark.parametrize("extra, what", [("lora_magnitude_vector", "DoRA"), ("lora_B.bias", "LoRA bias")])
+def test_adapters_the_slots_cannot_compose_are_refused_and_leave_nothing(tiny_pipe, tiny_path: Path, tmp_path: Path,
+                                                                         extra: str, what: str) -> None:
+    """DoRA rescales the whole weight and a LoRA bias is no low-rank term: neither is served beside the layers. The
+    refusal names the file and the reason; nothing of the adapter stays, its text-encoder part included (its name
+    loads a plain file afterwards)."""
+    from safetensors.torch import load_file, save_file
+
+    plain = write_random_lora(tiny_pipe.transformer, tmp_path / "plain.safetensors", 5,
+                              text_encoder=tiny_pipe.pipe.text_encoder)
+    sd = load_file(str(plain))
+    for key in [k for k in sd if k.startswith("transformer.") and k.endswith("lora_B.weight")]:
+        sd[key.replace("lora_B.weight", extra)] = torch.ones(sd[key].shape[0])
+    save_file(sd, str(tmp_path / "odd.safetensors"))
+    pipe = load_pipeline(str(tiny_path))
+    pipe.enable_adapter_slots(16)
+    with pytest.raises(ValueError, match=rf"odd.safetensors: DoRA and LoRA biases are not served beside"):
+        pipe.add_lora("odd", str(tmp_path / "odd.safetensors"))
+    assert "odd" not in pipe.loras and not pipe.adapter_slots.adapters and text_adapters(pipe.pipe) == set()
+    assert pipe.add_lora("odd", str(plain))  # (diffusers' loader would refuse a name it still held)
+
+
 def test_runtime_load_and_unload_into_slots(tiny_path: Path, files: dict[str, str], slot_pipe) -> None:
     """sync_loras on a slot pipeline: the adapter loaded while serving draws what the one loaded at start does
     (same tensors, same composition: torch.equal), and an unloaded one is refused."""
