@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("peft")
 
+from model.adapters import text_adapters  # noqa: E402
 from model.loading import load_pipeline  # noqa: E402
 from model.pipeline import GenerationRequest  # noqa: E402
 from tests._inputs import write_random_lora  # noqa: E402
@@ -29,12 +30,15 @@ def _req(loras: tuple = (), seed: int = 5) -> GenerationRequest:
 @pytest.fixture(scope="module")
 def files(tiny_path: Path, tmp_path_factory) -> dict[str, str]:
     """Two adapters of different ranks over partly different layers (fog also reaches the GELU up-projection, which
-    ink does not: loaded at runtime, fog wraps layers no adapter wrapped yet and joins ink's PEFT layers)."""
+    ink does not: loaded at runtime, fog wraps layers no adapter wrapped yet and joins ink's PEFT layers; fog also
+    has a CLIP part, which goes into the real text encoder)."""
     d = tmp_path_factory.mktemp("runtime-loras")
-    t = load_pipeline(str(tiny_path)).transformer
+    pipe = load_pipeline(str(tiny_path))
+    t = pipe.transformer
     return {"ink": str(write_random_lora(t, d / "ink.safetensors", 1)),
             "fog": str(write_random_lora(t, d / "fog.safetensors", 2, rank=8,
-                                         targets=("attn.to_k", "ff.net.0.proj", "proj_out", "norm1.linear")))}
+                                         targets=("attn.to_k", "ff.net.0.proj", "proj_out", "norm1.linear"),
+                                         text_encoder=pipe.pipe.text_encoder))}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +84,7 @@ def test_removing_an_adapter_frees_its_layers_and_leaves_the_others_exact(
     assert pipe.sync_loras(files) == {"added": [], "removed": []}  # nothing to do
     assert pipe.sync_loras({"ink": files["ink"]}) == {"added": [], "removed": ["fog"]}
     assert _lora_layers(pipe, "fog") == [] and "fog" not in pipe.transformer.peft_config
+    assert text_adapters(pipe.pipe) == set()  # its CLIP part went too
     got, want = pipe.generate([_req((("ink", 0.5),))])[0], at_start.generate([_req((("ink", 0.5),))])[0]
     assert torch.equal(got.latents, want.latents)
     with pytest.raises(ValueError, match="unknown LoRA adapter"):
