@@ -144,3 +144,10 @@ def unload_adapter(pipe: Any, name: str) -> None:
     """Remove adapter `name` from every component of `pipe` (its layers' entries and configs; diffusers' own
     `delete_adapters`), freeing its tensors."""
     pipe.delete_adapters([name])
+
+
+def unload_text_part(pipe: Any, name: str) -> None:
+    """Remove adapter `name`'s text-encoder part, if it has one: all an adapter served beside converted layers leaves
+    in the pipeline's own components."""
+    if name in text_adapters(pipe):
+        unload_adapter(pipe, name)

@@ -418,7 +418,7 @@ class FluxServePipeline:
         loader on a skeleton, its layers then moved into the served transformer, sharded or not (model/adapters.py).
         Returns the layers it reaches (a TP rank shards the adapter there). Not on a converted transformer, like
         `load_loras`."""
-        from model.adapters import load_adapter, read_adapter, text_adapters, unload_adapter
+        from model.adapters import load_adapter, read_adapter, unload_text_part
 
         if self._slots is None and (self.fp8 or self.fused_projections or self.fused_lora is not None):
             raise ValueError("adapters cannot be added to a converted transformer or one with a fused adapter")
@@ -430,8 +430,7 @@ class FluxServePipeline:
                 try:
                     reached = self._slots.add(name, tensors)
                 except ValueError:
-                    if name in text_adapters(self.pipe):  # (its text-encoder part was loaded by the reading)
-                        unload_adapter(self.pipe, name)
+                    unload_text_part(self.pipe, name)  # (the reading loaded it)
                     raise
                 if self._slots.graphs_stale():  # a layer gained buffers
                     self._drop_graphs()
@@ -444,15 +443,14 @@ class FluxServePipeline:
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter (loaded at start or since), freeing its tensors; batches naming it are then refused."""
-        from model.adapters import text_adapters, unload_adapter
+        from model.adapters import unload_adapter, unload_text_part
 
         if name not in self.loras:
             raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.loras)}")
         with self._lock:
             if self._slots is not None:
                 self._slots.remove(name)  # (the buffers stay: captured steps stay valid)
-                if name in text_adapters(self.pipe):
-                    unload_adapter(self.pipe, name)
+                unload_text_part(self.pipe, name)
             else:
                 unload_adapter(self.pipe, name)
                 self._drop_graphs()
