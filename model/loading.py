@@ -326,14 +326,15 @@ def load_pipeline(path_or_preset: str | os.PathLike[str] = DEFAULT_MODEL, device
 
 
 def _in_memory_preset(name: str, device: str | torch.device, dtype: torch.dtype) -> "FluxServePipeline":
-    """Full-size random preset: build every component on `device`, then move the random transformer weights into
-    our class (strict: same names) and drop diffusers' copy."""
+    """Full-size random preset: build every component on `device`, then hand the random transformer weights to our
+    class (strict: same names). Ours is made on the meta device and takes diffusers' tensors as they are, so one
+    copy of the transformer is ever held: two pools building on one GPU at once then fit."""
     components = presets.build_components(name, device, dtype)
     reference = components["transformer"]
     family = presets.preset_family(name)
-    with torch.device(device), presets.default_dtype(dtype):
+    with torch.device("meta"):
         ours = family.transformer_class().from_config(reference.config)
-    ours.load_state_dict(reference.state_dict(), strict=True)
+    ours.load_state_dict(reference.state_dict(), strict=True, assign=True)
     del reference
     components["transformer"] = ours.eval()
     pipe = family.pipeline_classes()["text"](**components)

@@ -134,8 +134,20 @@ def test_in_memory_preset_path_with_a_tiny_spec(monkeypatch) -> None:
 
     spec = dataclasses.replace(presets.PRESETS["tiny"], name="tiny-in-memory", on_disk=False)
     monkeypatch.setitem(presets.PRESETS, "tiny-in-memory", spec)
+    built = {}
+    build = presets.build_components
+
+    def spy(*args, **kwargs):
+        components = build(*args, **kwargs)
+        built["transformer"] = components["transformer"]
+        return components
+
+    monkeypatch.setattr(presets, "build_components", spy)
     pipe = load_pipeline("tiny-in-memory", device="cpu", dtype=torch.float32)
     assert pipe.folder is None and type(pipe.transformer) is FluxTransformer
+    # ours holds the very tensors diffusers' transformer was built with (a copy would double the peak at full size)
+    made = dict(built["transformer"].named_parameters())
+    assert all(p.data_ptr() == made[k].data_ptr() for k, p in pipe.transformer.named_parameters())
     ref = diffusers_reference(pipe)
     assert type(ref.transformer) is FluxTransformer2DModel
     assert ref.vae is pipe.pipe.vae and ref.text_encoder_2 is pipe.pipe.text_encoder_2
