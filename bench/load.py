@@ -127,6 +127,12 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     return {"results": results, "samples": samples, "wall": wall}
 
 
+def per_tier(by_kind: dict[str, dict[str, Any]], wall: float) -> dict[str, float]:
+    """Images answered per second by each tier over the whole run (a kind's name says its tier)."""
+    return {tier: round(sum(v["ok"] for k, v in by_kind.items() if tier in k.split("-")) / wall, 3)
+            for tier in ("lossless", "high")}
+
+
 def summarize(a: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     results, samples, wall = raw["results"], raw["samples"], raw["wall"]
     ok = [r for r in results if r[1] == "200"]
@@ -163,6 +169,7 @@ def summarize(a: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "statuses": dict(statuses),
         "p50_s": round(pct(lat_all, 50), 3), "p95_s": round(pct(lat_all, 95), 3), "p99_s": round(pct(lat_all, 99), 3),
         "images_per_s": round(len(ok) / wall, 3),
+        "images_per_s_by_tier": per_tier(by_kind, wall),
         "by_kind": by_kind,
         "rss_growth_pct_max": max((g["growth_pct"] for g in growth.values()), default=None),
         "rss_by_actor": growth,
@@ -178,7 +185,8 @@ def markdown(r: dict[str, Any]) -> str:
     return (f"# Sustained mixed load: {r['requests']} requests in {r['seconds']} s, {r['clients']} clients\n\n"
             f"Host: {r['host']}. Command:\n\n```\n{r['command']}\n```\n\n"
             f"{r['ok']} answered 200, {r['errors_5xx']} 5xx, {r['errors_4xx']} 4xx, {r['lost']} lost "
-            f"(statuses {r['statuses']}); {r['images_per_s']} requests/s answered; latency p50 {r['p50_s']} s, "
+            f"(statuses {r['statuses']}); {r['images_per_s']} requests/s answered "
+            f"({', '.join(f'{t} {v}' for t, v in r['images_per_s_by_tier'].items())}); latency p50 {r['p50_s']} s, "
             f"p95 {r['p95_s']} s, p99 {r['p99_s']} s. Largest actor RSS growth from the second minute to the last: "
             f"{r['rss_growth_pct_max']}%.\n\n"
             "| kind | requests | 200 | p50 s | p95 s | p99 s |\n| --- | --- | --- | --- | --- | --- |\n" + rows +
