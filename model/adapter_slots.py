@@ -92,6 +92,17 @@ class _Term:
     a8_scale: torch.Tensor | None
 
 
+@dataclass
+class _Plan:
+    """One adapter's copies into one batch row's buffers: destination views, their sources, the views a request's
+    scale multiplies, and the destinations as bytes (to zero them when the next batch's adapters differ)."""
+
+    dst: list[torch.Tensor]
+    src: list[torch.Tensor]
+    scaled: list[torch.Tensor]
+    zero: list[torch.Tensor]
+
+
 @dataclass(frozen=True)
 class _Adapter:
     rank: int  # the largest r over its layers (what a row's rank budget counts)
@@ -113,6 +124,10 @@ class AdapterSlots:
         self.version = 0  # bumped when layers gain or change buffers: captured graphs hold the old ones
         self._captured_at = 0  # the version the model's captured graphs (if any) were taken at
         self._composed: tuple | None = None
+        # What switching adapters reuses: each (row, rank offset, adapter)'s buffer views with their sources, and the
+        # regions the last fill wrote (everything else is zero), so a switch zeroes and copies only what it must.
+        self._plans: dict[tuple[int, int, str], _Plan] = {}
+        self._written: list[torch.Tensor] = []
         # Every linear of the model as a `Linear` (F.linear, the same kernels as nn.Linear), so any layer an adapter
         # reaches can carry a side; and where an unfused layer's adapter lands: name -> (served layer, part).
         with torch.no_grad():
@@ -163,6 +178,7 @@ class AdapterSlots:
         if name not in self.adapters:
             raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.adapters)}")
         del self.adapters[name]
+        self._plans = {k: v for k, v in self._plans.items() if k[2] != name}
         self._composed = None
 
     def _term(self, layer: Linear, part: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> _Term:
@@ -243,36 +259,51 @@ class AdapterSlots:
                 layer.side = Side(layer, rows, self.rank, self.state)
         self.version += 1
         self._composed = None
+        self._plans, self._written = {}, []  # views of the old buffers
+
+    def _plan(self, row: int, offset: int, name: str) -> _Plan:
+        """Where adapter `name` goes in batch row `row`, its rank slots starting at `offset` (made once, kept)."""
+        plan = self._plans.get((row, offset, name))
+        if plan is None:
+            plan = _Plan([], [], [], [])
+            for served, terms in self.adapters[name].terms.items():
+                side = self.layers[served].side
+                for term in terms:
+                    at = slice(term.part * self.rank + offset, term.part * self.rank + offset + term.a.shape[0])
+                    c0, c1 = term.columns
+                    plan.dst += [side.a[row, at], side.bt[row, at, c0:c1]]
+                    plan.src += [term.a, term.bt]
+                    plan.scaled.append(side.a[row, at])
+                    if term.a8 is not None:
+                        plan.dst += [side.a8[row, at].view(torch.uint8), side.a8_scale[row, 0, at]]
+                        plan.src += [term.a8.view(torch.uint8), term.a8_scale]
+                        plan.scaled.append(side.a8_scale[row, 0, at])
+            plan.zero += [t.view(torch.uint8) for t in plan.dst]  # zero bytes: +0.0 in every format
+            self._plans[(row, offset, name)] = plan
+        return plan
 
     def _fill(self, key: tuple) -> None:
-        """A few multi-tensor passes: zero every buffer, copy each term into its row's place, scale each copied A
-        (and fp8 A scale) by the request's scale."""
-        zero = [t.view(torch.uint8) for s in self._sides() for t in s.buffers()]  # zero bytes: +0.0 in every format
+        """A few multi-tensor passes: zero what the last fill wrote, copy each term into its row's place, scale
+        each copied A (and fp8 A scale) by the request's scale."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         scaled: list[torch.Tensor] = []
         scales: list[float] = []
+        written: list[torch.Tensor] = []
         for row, loras in enumerate(key):
             offset = 0
             for name, scale in loras:
-                adapter = self.adapters[name]
-                for served, terms in adapter.terms.items():
-                    side = self.layers[served].side
-                    for term in terms:
-                        r = term.a.shape[0]
-                        at = slice(term.part * self.rank + offset, term.part * self.rank + offset + r)
-                        c0, c1 = term.columns
-                        dst += [side.a[row, at], side.bt[row, at, c0:c1]]
-                        src += [term.a, term.bt]
-                        scaled.append(side.a[row, at])
-                        if term.a8 is not None:
-                            dst += [side.a8[row, at].view(torch.uint8), side.a8_scale[row, 0, at]]
-                            src += [term.a8.view(torch.uint8), term.a8_scale]
-                            scaled.append(side.a8_scale[row, 0, at])
-                        scales += [float(scale)] * (len(scaled) - len(scales))
-                offset += adapter.rank
+                plan = self._plan(row, offset, name)
+                dst += plan.dst
+                src += plan.src
+                scaled += plan.scaled
+                scales += [float(scale)] * len(plan.scaled)
+                written += plan.zero
+                offset += self.adapters[name].rank
         with torch.no_grad():
-            torch._foreach_zero_(zero)
+            if self._written:
+                torch._foreach_zero_(self._written)
             if dst:
                 torch._foreach_copy_(dst, src)
                 torch._foreach_mul_(scaled, scales)
+        self._written = written

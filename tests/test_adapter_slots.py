@@ -132,6 +132,35 @@ def test_switching_adapters_keeps_every_buffer_in_place() -> None:
     assert slots.rows == 3 and slots.version == version + 1 and model.qkv.side.a.shape[0] == 3
 
 
+def test_a_switch_after_growing_or_reloading_a_name_composes_the_adapters_now_served() -> None:
+    """Switching reuses each (row, adapter)'s copy plan and zeroes only what the last batch wrote. Composing ink,
+    then a larger batch (new buffers), then ink unloaded and another file loaded under its name: each batch's output
+    is the reference of the adapters it names. Would catch a plan kept across the growth (copies into the old
+    buffers) or across the reload (the old file's tensors), or a region of the last batch left unzeroed."""
+    model = _Parent()
+    slots = AdapterSlots(model, rank=16, rows=1)
+    g = torch.Generator().manual_seed(11)
+    ink, fog, ink2 = _ab(g, 32, 48, 8), _ab(g, 32, 48, 4), _ab(g, 32, 48, 8)
+    slots.add("ink", {"to_q": (*ink, 1.0)})
+    slots.add("fog", {"to_q": (*fog, 1.0)})
+    x = torch.randn(2, 3, 32, generator=g)
+
+    def check(rows: list, terms: list[list[tuple]]) -> None:
+        slots.compose(rows)
+        with torch.no_grad():
+            got = model.qkv(x[:len(rows)])
+        for row, t in enumerate(terms):
+            torch.testing.assert_close(got[row].double(), _reference(x[row], model.src, {0: t}), rtol=1e-5, atol=1e-5)
+
+    check([(("ink", 1.0), ("fog", 1.0))], [[(*ink, 1.0, 1.0), (*fog, 1.0, 1.0)]])
+    check([(("fog", 1.0),)], [[(*fog, 1.0, 1.0)]])  # ink's slots (rank 0..8) of the last batch are zero again
+    check([(("ink", 1.0),), (("fog", 0.5),)], [[(*ink, 1.0, 1.0)], [(*fog, 1.0, 0.5)]])  # grown to two rows
+    slots.remove("ink")
+    slots.add("ink", {"to_q": (*ink2, 1.0)})
+    check([(("fog", 0.5),), (("ink", 1.0),)], [[(*fog, 1.0, 0.5)], [(*ink2, 1.0, 1.0)]])
+    check([(("ink", 1.0),), ()], [[(*ink2, 1.0, 1.0)], []])
+
+
 def test_an_fp8_layer_takes_its_adapters_on_quantized_rows_and_on_plain_ones() -> None:
     """An fp8 layer (the CPU twin of torch._scaled_mm) given rows some norm pass quantized, and bf16 rows: the
     adapter term is the reference's within fp8 rounding of the input and of A. Would catch the fp8 A's scales or
