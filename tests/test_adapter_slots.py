@@ -154,6 +154,10 @@ def test_a_switch_after_growing_or_reloading_a_name_composes_the_adapters_now_se
 
     check([(("ink", 1.0), ("fog", 1.0))], [[(*ink, 1.0, 1.0), (*fog, 1.0, 1.0)]])
     check([(("fog", 1.0),)], [[(*fog, 1.0, 1.0)]])  # ink's slots (rank 0..8) of the last batch are zero again
+    plan = slots._plans[(0, 0, "fog")]
+    check([(("ink", 1.0), ("fog", 1.0))], [[(*ink, 1.0, 1.0), (*fog, 1.0, 1.0)]])
+    check([(("fog", 2.0),)], [[(*fog, 1.0, 2.0)]])
+    assert slots._plans[(0, 0, "fog")] is plan  # a set seen before reuses its plan: a switch makes no new views
     check([(("ink", 1.0),), (("fog", 0.5),)], [[(*ink, 1.0, 1.0)], [(*fog, 1.0, 0.5)]])  # grown to two rows
     slots.remove("ink")
     slots.add("ink", {"to_q": (*ink2, 1.0)})
