@@ -402,7 +402,7 @@ def test_adapters_the_slots_cannot_compose_are_refused_and_leave_nothing(tiny_pi
     save_file(sd, str(tmp_path / "odd.safetensors"))
     pipe = load_pipeline(str(tiny_path))
     pipe.enable_adapter_slots(16)
-    with pytest.raises(ValueError, match=rf"odd.safetensors: DoRA and LoRA biases are not served beside"):
+    with pytest.raises(ValueError, match=r"odd.safetensors: DoRA and LoRA biases are not served beside"):
         pipe.add_lora("odd", str(tmp_path / "odd.safetensors"))
     assert "odd" not in pipe.loras and not pipe.adapter_slots.adapters and text_adapters(pipe.pipe) == set()
     assert pipe.add_lora("odd", str(plain))  # (diffusers' loader would refuse a name it still held)
