@@ -56,16 +56,22 @@ def _http(url: str, body: dict[str, Any] | None = None, accept: str = "applicati
 
 
 def wait_ready(base: str, child: subprocess.Popen, timeout_s: float) -> None:
-    """Poll /readyz until it answers 200 (every pool has a running replica); fail early if `serve run` died."""
+    """Poll /readyz until it answers 200 (every pool has a running replica); fail early if `serve run` died or a
+    pool failed to start (Serve gave up on it: its reason, e.g. CUDA out of memory, is in the error)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child.poll() is not None:
             raise RuntimeError(f"`serve run` exited with status {child.returncode} before the app was ready")
         try:
-            status, _, _ = _http(base + "/readyz", timeout=5)
+            status, _, content = _http(base + "/readyz", timeout=5)
             if status == 200:
                 return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            body = json.loads(content or b"{}") if status == 503 else {}
+            if body.get("status") == "failed":
+                failed = {pool: p["error"] for pool, p in body.get("pools", {}).items() if "error" in p}
+                raise RuntimeError("the app failed to start: " + "; ".join(f"pool {pool}: {why}"
+                                                                          for pool, why in failed.items()))
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
             pass
         time.sleep(1.0)
     raise TimeoutError(f"the app did not become ready within {timeout_s:.0f} s")

@@ -201,15 +201,28 @@ def _failure(pool: str, e: BaseException, timeout_s: float) -> tuple[int, JSONRe
 
 def readiness(app: Any, pools: list[str]) -> tuple[bool, dict[str, Any]]:
     """(ready, body) from Serve's status of this application (`serve.status().applications[name]`, None while it is
-    unknown): ready when every pool has a running replica; per pool, its replicas by state."""
+    unknown): ready when every pool has a running replica; per pool, its replicas by state. A pool with no running
+    replica that Serve gave up starting (DEPLOY_FAILED) makes the status "failed", with Serve's reason as its
+    `error`, so whoever waits for readiness can stop waiting and say why."""
     detail = {}
     for pool in pools:
         deployment = app.deployments.get(pool) if app is not None else None
         states = {str(getattr(state, "value", state)).lower(): int(n)
                   for state, n in (deployment.replica_states if deployment is not None else {}).items()}
         detail[pool] = {"ready": states.get("running", 0) > 0, "replicas": states}
+        status = str(getattr(getattr(deployment, "status", None), "value", "")).lower()
+        if status == "deploy_failed" and not detail[pool]["ready"]:
+            detail[pool]["error"] = _startup_failure(getattr(deployment, "message", "") or "")
     ready = all(p["ready"] for p in detail.values())
-    return ready, {"status": "ready" if ready else "starting", "pools": detail}
+    failed = any("error" in p for p in detail.values())
+    return ready, {"status": "ready" if ready else "failed" if failed else "starting", "pools": detail}
+
+
+def _startup_failure(message: str) -> str:
+    """Serve's DEPLOY_FAILED message cut to what a person acts on: its first line and the exception its traceback
+    ends with (the rest is in the controller's log)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return " ... ".join(lines if len(lines) <= 2 else [lines[0], lines[-1]])
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:

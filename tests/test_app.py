@@ -130,6 +130,37 @@ def test_the_demo_serves_on_the_host_and_port_it_is_given(tmp_path, monkeypatch)
     assert seen["urls"] == ["http://127.0.0.1:8123/readyz"]
 
 
+def test_the_demo_stops_waiting_when_a_pool_failed_to_start_and_says_why(monkeypatch) -> None:
+    """/readyz answering "failed" (Serve gave up starting a pool) ends the demo's wait at once with the pool and its
+    reason, instead of waiting out --ready-timeout; "starting" keeps it waiting. Bug caught: a failed start seen as
+    not ready yet (the demo waited 300 s with no word while a GPU ran out of memory)."""
+    import itertools
+    import json
+
+    from deployments import demo
+
+    class Alive:
+        returncode = None
+
+        def poll(self) -> None:
+            return None
+
+    failed = {"status": "failed", "pools": {
+        "lossless": {"ready": True, "replicas": {"running": 1}},
+        "high": {"ready": False, "replicas": {}, "error": "The deployment failed to start 3 times ... "
+                                                          "torch.OutOfMemoryError: CUDA out of memory."}}}
+    answers = itertools.chain([{"status": "starting", "pools": {}}], itertools.repeat(failed))
+    monkeypatch.setattr(demo, "_http", lambda url, *a, **k: (503, {}, json.dumps(next(answers)).encode()))
+    monkeypatch.setattr(demo.time, "sleep", lambda s: None)
+    with pytest.raises(RuntimeError) as err:
+        demo.wait_ready("http://127.0.0.1:1", Alive(), timeout_s=3)  # TimeoutError after 3 s if it kept waiting
+    assert str(err.value) == ("the app failed to start: pool high: The deployment failed to start 3 times ... "
+                              "torch.OutOfMemoryError: CUDA out of memory.")
+    monkeypatch.setattr(demo, "_http", lambda url, *a, **k: (503, {}, b'{"status": "starting", "pools": {}}'))
+    with pytest.raises(TimeoutError):
+        demo.wait_ready("http://127.0.0.1:1", Alive(), timeout_s=0.05)
+
+
 @pytest.mark.parametrize("config", ["serve_config.yaml", "serve_config.h200.yaml", None])
 def test_shutdown_a_stopped_replica_keeps_its_requests_for_as_long_as_one_may_take(config: str | None) -> None:
     """Scale-down, redeploy or shutdown: Serve stops routing to the replica, then waits up to its

@@ -546,6 +546,42 @@ def test_readiness_counts_running_replicas_per_pool() -> None:
     assert readiness(None, ["lossless"])[0] is False
 
 
+def test_readiness_names_a_pool_serve_gave_up_starting_and_why() -> None:
+    """A pool whose replicas keep failing in their constructor (Serve's DEPLOY_FAILED, e.g. CUDA out of memory while
+    the model builds) makes /readyz say "failed" with Serve's first line and the exception it ends with, so a waiter
+    stops at once; a failed update beside a running replica stays ready. Bugs caught: a failed pool reported as
+    "starting" (the README's demo then waits out its whole timeout), the reason dropped, a running pool failed."""
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger, ReplicaState
+    from ray.serve.schema import DeploymentStatusOverview
+
+    from deployments.ingress import readiness
+
+    message = ("The deployment failed to start 3 times in a row. This may be due to a problem with its constructor "
+               "or initial health check failing. See controller logs for details. Error:\n"
+               "Traceback (most recent call last):\n  File \"model/loading.py\", line 335, in _in_memory_preset\n"
+               "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 108.00 MiB.\n")
+
+    def dep(status: DeploymentStatus, states: dict) -> DeploymentStatusOverview:  # what serve.status() holds
+        return DeploymentStatusOverview(status=status, status_trigger=DeploymentStatusTrigger.REPLICA_STARTUP_FAILED,
+                                        replica_states=states, message=message)
+
+    app = SimpleNamespace(deployments={"lossless": dep(DeploymentStatus.HEALTHY, {ReplicaState.RUNNING: 1}),
+                                       "high": dep(DeploymentStatus.DEPLOY_FAILED, {})})
+    ready, body = readiness(app, ["lossless", "high"])
+    assert ready is False and body["status"] == "failed" and "error" not in body["pools"]["lossless"]
+    assert body["pools"]["high"] == {"ready": False, "replicas": {}, "error": (
+        "The deployment failed to start 3 times in a row. This may be due to a problem with its constructor or "
+        "initial health check failing. See controller logs for details. Error: ... "
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 108.00 MiB.")}
+    app.deployments["high"] = dep(DeploymentStatus.DEPLOY_FAILED, {ReplicaState.RUNNING: 1})  # a failed update
+    assert readiness(app, ["lossless", "high"]) == (True, {"status": "ready", "pools": {
+        "lossless": {"ready": True, "replicas": {"running": 1}}, "high": {"ready": True, "replicas": {"running": 1}}}})
+    app.deployments["high"] = dep(DeploymentStatus.UPDATING, {ReplicaState.STARTING: 1})
+    assert readiness(app, ["lossless", "high"])[1]["status"] == "starting"
+
+
 def test_png_accept_header_and_random_seed_reported(serve_app: dict) -> None:
     r = _post(serve_app, {"prompt": "a cat"}, headers={"Accept": "image/png"})
     assert r.status_code == 200, r.text
