@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Several GPU benchmarks and the GPU tests in one go, on one GPU, each writing under $OUT (a folder), for machines
+# leased for a fixed time: each part is skipped when too little of LIMIT seconds is left for it.
+#
+#   OUT=/tmp/out PARTS="load2 load1 slots kontext tests" LIMIT=1800 bash bench/gpu_batch.sh
+#
+# Parts: load2 / load1 (bench/load.py against both pools on one GPU, bench/serve_config.one-gpu.yaml with
+# max_batch_size 2 / 1, SECS seconds of load), slots (bench/lora_slots.py), kontext (bench/e2e.py on FLUX.1 Kontext,
+# KREPEATS repeats), tests (every GPU test). Packages the machine lacks can come as a tarball of a site folder
+# (SITE_TAR, e.g. from a Ray Serve build) and a folder of wheels (WHEELS), installed into /tmp/site first.
+# A dry run of the load parts on a CPU: CONFIG=serve_config.yaml LSIZE=256x256 LWIDE=384x256 SECS=20.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to a folder for the results}"
+mkdir -p "$OUT"
+T0=$(date +%s); LIMIT=${LIMIT:-570}; SECS=${SECS:-200}
+export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
+exec > >(tee -a "$OUT/log.txt") 2>&1
+left() { echo $(( T0 + LIMIT - $(date +%s) )); }
+if [ -n "${SITE_TAR:-}${WHEELS:-}" ] && [ ! -f /tmp/site/.ok ]; then
+  mkdir -p /tmp/site
+  [ -n "${SITE_TAR:-}" ] && { tar -xJf "$SITE_TAR" -C /tmp/site || exit 1; }
+  [ -n "${WHEELS:-}" ] && { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$WHEELS"/*.whl || exit 1; }
+  python3 -m compileall -q -j0 /tmp/site/ray >/dev/null 2>&1
+  touch /tmp/site/.ok
+fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+if ! command -v serve >/dev/null; then  # a site folder has no console scripts: the demo needs `serve`
+  mkdir -p /tmp/bin
+  printf '#!/bin/sh\nexec python3 -c "import sys; from ray.serve.scripts import cli; sys.argv[0] = \\"serve\\"; sys.exit(cli())" "$@"\n' > /tmp/bin/serve
+  chmod +x /tmp/bin/serve; export PATH=/tmp/bin:$PATH
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no GPU"; } | tee "$OUT/gpu.txt"
+python3 -c "import torch, diffusers, triton, ray, peft; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
+echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}; set up in $(( $(date +%s) - T0 )) s" | tee -a "$OUT/gpu.txt"
+
+ready() {  # poll /readyz for up to $1 s while process $2 lives; 1: not ready, 2: the server died, 3: a pool failed
+  python3 - "$1" "$2" <<'PY'
+import json, os, sys, time, urllib.error, urllib.request
+end = time.time() + float(sys.argv[1])
+while time.time() < end:
+    try:
+        os.kill(int(sys.argv[2]), 0)
+    except OSError:
+        sys.exit(2)
+    try:
+        if urllib.request.urlopen("http://127.0.0.1:8000/readyz", timeout=5).status == 200:
+            sys.exit(0)
+    except urllib.error.HTTPError as e:
+        try:
+            failed = json.loads(e.read() or b"{}").get("status") == "failed"
+        except ValueError:  # the proxy's own answer before the app exists
+            failed = False
+        if failed:
+            sys.exit(3)
+    except Exception:
+        pass
+    time.sleep(2)
+sys.exit(1)
+PY
+}
+
+load() {  # $1 = max_batch_size
+  local b=$1 cfg=/tmp/one-gpu-b$1.yaml
+  sed "s/max_batch_size: 2 /max_batch_size: $b /" "${CONFIG:-bench/serve_config.one-gpu.yaml}" > $cfg
+  local t=$(date +%s)
+  python3 -m deployments.demo --config $cfg --out /tmp/demo-b$b.png --ready-timeout 400 > "$OUT/serve-b$b.log" 2>&1 &
+  local pid=$!
+  if ready 300 $pid; then
+    echo "ready after $(( $(date +%s) - t )) s"; sleep 5
+    python3 bench/load.py --url http://127.0.0.1:8000 --seconds $SECS --size ${LSIZE:-1024x1024} --wide ${LWIDE:-1024x768} \
+      --clients 4 --timeout 330 --out "$OUT/load-b$b.json"
+  else
+    echo "not ready (rc $?)"; grep -v readyz "$OUT/serve-b$b.log" | tail -40
+  fi
+  kill -INT $pid; for _ in $(seq 60); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+  kill -9 $pid 2>/dev/null; pkill -9 -f "ray::"; pkill -9 -f raylet; pkill -9 -f gcs_server; sleep 2
+}
+
+for part in ${PARTS:-}; do
+  case $part in
+    load2|load1) need=$(( SECS + 130 )) ;;
+    slots) need=240 ;;
+    kontext) need=240 ;;
+    tests) need=300 ;;
+    *) echo "unknown part $part"; continue ;;
+  esac
+  echo "=== $part ($(left) s left) $(date +%T)"
+  if [ "$(left)" -lt "$need" ]; then echo "skip $part: $(left) s left, it needs about $need"; continue; fi
+  case $part in
+    load2) load 2 ;;
+    load1) load 1 ;;
+    slots) timeout $(( $(left) - 5 )) python3 bench/lora_slots.py --out "$OUT/lora-slots.json" ;;
+    kontext) timeout $(( $(left) - 5 )) python3 bench/e2e.py --model flux-kontext-random --edit --high-default \
+               --cuda-graphs --steps 28 --repeats ${KREPEATS:-3} --out "$OUT/e2e-kontext.json" ;;
+    tests) timeout $(( $(left) - 5 )) python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rfEs \
+             2>&1 | tee "$OUT/gpu-tests.log" ;;
+  esac
+  echo "=== $part done $(date +%T)"
+done
