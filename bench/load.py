@@ -188,7 +188,8 @@ def markdown(r: dict[str, Any]) -> str:
             f"(statuses {r['statuses']}); {r['images_per_s']} requests/s answered "
             f"({', '.join(f'{t} {v}' for t, v in r['images_per_s_by_tier'].items())}); latency p50 {r['p50_s']} s, "
             f"p95 {r['p95_s']} s, p99 {r['p99_s']} s. Largest actor RSS growth from the second minute to the last: "
-            f"{r['rss_growth_pct_max']}%.\n\n"
+            + (f"{r['rss_growth_pct_max']}%.\n\n" if r["rss_growth_pct_max"] is not None
+               else "not measured (too short a run for two sampling windows).\n\n") +
             "| kind | requests | 200 | p50 s | p95 s | p99 s |\n| --- | --- | --- | --- | --- | --- |\n" + rows +
             "\n\n| actor process | RSS MB, second minute | RSS MB, last minute | growth % |\n"
             "| --- | --- | --- | --- |\n" + mem + "\n")
