@@ -33,6 +33,8 @@ from model.linear import Linear
 from model.request import adapter_rank_error
 
 Rows = Sequence[tuple[tuple[str, float], ...]]  # each batch row's (adapter name, scale) pairs
+# Copy plans kept per (row, rank offset, adapter), oldest dropped past this: a plan is a few views per served layer.
+MAX_PLANS = 256
 
 
 @dataclass
@@ -279,6 +281,8 @@ class AdapterSlots:
                         plan.src += [term.a8.view(torch.uint8), term.a8_scale]
                         plan.scaled.append(side.a8_scale[row, 0, at])
             plan.zero += [t.view(torch.uint8) for t in plan.dst]  # zero bytes: +0.0 in every format
+            if len(self._plans) >= MAX_PLANS:
+                del self._plans[next(iter(self._plans))]
             self._plans[(row, offset, name)] = plan
         return plan
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kernels import fp8 as fp8_ops
+from model import adapter_slots
 from model.adapter_slots import AdapterSlots
 from model.linear import FP8, Column, Linear, Row
 from model.pipeline import GenerationRequest
@@ -132,7 +133,7 @@ def test_switching_adapters_keeps_every_buffer_in_place() -> None:
     assert slots.rows == 3 and slots.version == version + 1 and model.qkv.side.a.shape[0] == 3
 
 
-def test_a_switch_after_growing_or_reloading_a_name_composes_the_adapters_now_served() -> None:
+def test_a_switch_after_growing_or_reloading_a_name_composes_the_adapters_now_served(monkeypatch) -> None:
     """Switching reuses each (row, adapter)'s copy plan and zeroes only what the last batch wrote. Composing ink,
     then a larger batch (new buffers), then ink unloaded and another file loaded under its name: each batch's output
     is the reference of the adapters it names. Would catch a plan kept across the growth (copies into the old
@@ -158,6 +159,10 @@ def test_a_switch_after_growing_or_reloading_a_name_composes_the_adapters_now_se
     check([(("ink", 1.0), ("fog", 1.0))], [[(*ink, 1.0, 1.0), (*fog, 1.0, 1.0)]])
     check([(("fog", 2.0),)], [[(*fog, 1.0, 2.0)]])
     assert slots._plans[(0, 0, "fog")] is plan  # a set seen before reuses its plan: a switch makes no new views
+    kept = list(slots._plans)
+    monkeypatch.setattr(adapter_slots, "MAX_PLANS", len(kept))  # at the bound a new plan drops the oldest
+    check([(("fog", 1.0), ("ink", 1.0))], [[(*fog, 1.0, 1.0), (*ink, 1.0, 1.0)]])  # ink at offset 4: a new plan
+    assert list(slots._plans) == kept[1:] + [(0, 4, "ink")]
     check([(("ink", 1.0),), (("fog", 0.5),)], [[(*ink, 1.0, 1.0)], [(*fog, 1.0, 0.5)]])  # grown to two rows
     slots.remove("ink")
     slots.add("ink", {"to_q": (*ink2, 1.0)})
