@@ -25,6 +25,7 @@ from ray import serve
 from deployments.config import AppArgs
 from deployments.engine import Engine, make_engine
 from deployments.errors import BadRequest, GenerationFailed, OutOfMemory, PoolUnavailable
+from model import faults
 from model.pipeline import GenerationCancelled
 from model.preview import PreviewSink, preview_steps
 from model.request import GenerationRequest, png_bytes
@@ -230,6 +231,7 @@ class FluxReplica:  # pragma: no mutate block
     """One replica of a pool; bound twice by the builder (names "lossless" and "high")."""
 
     def __init__(self, pool: str, args: dict[str, Any]) -> None:
+        faults.at_start(pool)
         parsed = AppArgs.parse(args)
         self.core = PoolReplica(pool, parsed, make_engine(parsed, pool))
         # The batch queue is per process (one replica per process): configure it from the YAML args.

@@ -6,6 +6,7 @@ Faults are keyed by the exact prompt, so a test can slow down its own request wi
     FLUXSERVE_FAULTS='{"<prompt>": {"step_delay_s": 0.5}}'     each step of that prompt's batch sleeps 0.5 s
     FLUXSERVE_FAULTS='{"<prompt>": {"raise_at_step": 1, "error": "..."}}'   raise RuntimeError(error) after step 1
     FLUXSERVE_FAULTS='{"<prompt>": {"oom_at_step": 0}}'        raise torch.OutOfMemoryError after step 0
+    FLUXSERVE_FAULTS='{"start:<pool>": {"error": "..."}}'      every replica of that pool fails as it starts
 
 The variable is read by every process that runs a pipeline (Serve replicas and TP ranks inherit the environment of
 the Ray cluster that started them), so tests set it before they start Ray.
@@ -50,3 +51,11 @@ def after_step(prompts: list[str], step: int) -> None:
             import torch
 
             raise torch.OutOfMemoryError("injected fault: CUDA out of memory (model.faults)")
+
+
+def at_start(pool: str) -> None:
+    """Called as a replica of `pool` starts, before it builds anything: a `start:<pool>` fault raises there, as a
+    model that cannot load (or a device out of memory) would."""
+    fault = _faults().get(f"start:{pool}")
+    if fault is not None:
+        raise RuntimeError(str(fault.get("error", "injected fault")))

@@ -205,6 +205,39 @@ def test_serve_run_of_a_config_that_cannot_serve_exits_with_the_reason(fluxserve
         assert not leftover, f"processes of its Ray still running: {leftover}"
 
 
+def test_the_demo_stops_with_the_reason_when_a_pool_cannot_start(fluxserve_cache: Path, tmp_path: Path) -> None:
+    """The README's main command with every replica of the high pool failing as it starts (an injected fault, as a
+    model that does not fit the GPU would): Serve gives up after its retries, `/readyz` says "failed" with the
+    exception, and the demo exits non-zero with it well before its ready timeout, leaving no Ray behind. Bug caught:
+    the demo waiting out --ready-timeout in silence (seen on an H100 whose two pools ran out of memory at start)."""
+    import yaml
+
+    with tempfile.TemporaryDirectory(prefix="rf", dir="/tmp") as rt:
+        error = "injected start fault: CUDA out of memory"
+        env = {**os.environ, **_ray_env(rt), "FLUXSERVE_CACHE": str(fluxserve_cache), "RAY_TMPDIR": rt,
+               "FLUXSERVE_FAULTS": json.dumps({"start:high": {"error": error}})}
+        env.pop("RAY_ADDRESS", None)
+        config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+        config["http_options"]["port"] = free_port()
+        config_path = tmp_path / "serve_config.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        t0 = time.time()
+        try:
+            run = subprocess.run([sys.executable, "-m", "deployments.demo", "--config", str(config_path), "--once",
+                                  "--ready-timeout", "240", "--out", str(tmp_path / "demo.png")], cwd=REPO, env=env,
+                                 capture_output=True, text=True, timeout=300, start_new_session=True)
+        finally:
+            left = subprocess.run(["pgrep", "-f", rt], capture_output=True, text=True).stdout.split()
+            subprocess.run(["pkill", "-9", "-f", rt])
+        took = time.time() - t0
+        out = run.stdout + run.stderr
+        assert run.returncode != 0 and "the app failed to start: pool high: " in out and error in out, out[-3000:]
+        assert "pool lossless" not in out.split("the app failed to start: ")[-1], out[-3000:]
+        assert took < 180, took  # Serve's three tries, not the 240 s timeout
+        assert left == [], f"{len(left)} processes of the demo's Ray session still running"
+        assert not (tmp_path / "demo.png").exists()
+
+
 def test_sigterm_stops_the_demo_and_leaves_nothing_running(fluxserve_cache: Path, tmp_path: Path) -> None:
     """The README's main command started in the background as a script would (SIGINT ignored), serving after its
     demo requests; SIGTERM to the demo alone: it exits 0 once `serve run` and its Ray are down, and no process of
