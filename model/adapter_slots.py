@@ -251,9 +251,6 @@ class AdapterSlots:
     def graphs_dropped(self) -> None:
         self._captured_at = self.version
 
-    def _sides(self) -> list[Side]:
-        return [layer.side for layer in self.layers.values() if layer.side is not None]
-
     def _grow(self, rows: int) -> None:
         self.rows = rows
         for layer in self.layers.values():
@@ -266,24 +263,27 @@ class AdapterSlots:
     def _plan(self, row: int, offset: int, name: str) -> _Plan:
         """Where adapter `name` goes in batch row `row`, its rank slots starting at `offset` (made once, kept)."""
         plan = self._plans.get((row, offset, name))
-        if plan is None:
-            plan = _Plan([], [], [], [])
-            for served, terms in self.adapters[name].terms.items():
-                side = self.layers[served].side
-                for term in terms:
-                    at = slice(term.part * self.rank + offset, term.part * self.rank + offset + term.a.shape[0])
-                    c0, c1 = term.columns
-                    plan.dst += [side.a[row, at], side.bt[row, at, c0:c1]]
-                    plan.src += [term.a, term.bt]
-                    plan.scaled.append(side.a[row, at])
-                    if term.a8 is not None:
-                        plan.dst += [side.a8[row, at].view(torch.uint8), side.a8_scale[row, 0, at]]
-                        plan.src += [term.a8.view(torch.uint8), term.a8_scale]
-                        plan.scaled.append(side.a8_scale[row, 0, at])
-            plan.zero += [t.view(torch.uint8) for t in plan.dst]  # zero bytes: +0.0 in every format
-            if len(self._plans) >= MAX_PLANS:
-                del self._plans[next(iter(self._plans))]
-            self._plans[(row, offset, name)] = plan
+        if plan is not None:
+            return plan
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        scaled: list[torch.Tensor] = []
+        for served, terms in self.adapters[name].terms.items():
+            side = self.layers[served].side
+            for term in terms:
+                at = slice(term.part * self.rank + offset, term.part * self.rank + offset + term.a.shape[0])
+                c0, c1 = term.columns
+                dst += [side.a[row, at], side.bt[row, at, c0:c1]]
+                src += [term.a, term.bt]
+                scaled.append(side.a[row, at])
+                if term.a8 is not None:
+                    dst += [side.a8[row, at].view(torch.uint8), side.a8_scale[row, 0, at]]
+                    src += [term.a8.view(torch.uint8), term.a8_scale]
+                    scaled.append(side.a8_scale[row, 0, at])
+        plan = _Plan(dst, src, scaled, [t.view(torch.uint8) for t in dst])  # zero bytes: +0.0 in every format
+        if len(self._plans) >= MAX_PLANS:
+            del self._plans[next(iter(self._plans))]
+        self._plans[(row, offset, name)] = plan
         return plan
 
     def _fill(self, key: tuple) -> None:
