@@ -6,7 +6,9 @@
 #
 # Parts: load2 / load1 (bench/load.py against both pools on one GPU, bench/serve_config.one-gpu.yaml with
 # max_batch_size 2 / 1, SECS seconds of load), slots (bench/lora_slots.py), kontext (bench/e2e.py on FLUX.1 Kontext,
-# KREPEATS repeats), tests (every GPU test). Packages the machine lacks can come as a tarball of a site folder
+# KREPEATS repeats), tests (the GPU tests; TEST_ARGS narrows them, e.g. one file), mutate (tests/mutate.py on the GPU:
+# MUTATE_MODULES against MUTATE_TESTS, the mutants named in the file MUTATE_ONLY, MUTATE_CHILDREN at once, into
+# $OUT/mut.tar.gz; mutmut among the wheels). Packages the machine lacks can come as a tarball of a site folder
 # (SITE_TAR, e.g. from a Ray Serve build) and a folder of wheels (WHEELS), installed into /tmp/site first.
 # A dry run of the load parts on a CPU: CONFIG=serve_config.yaml LSIZE=256x256 LWIDE=384x256 SECS=20.
 set -uo pipefail
@@ -32,7 +34,14 @@ if ! command -v serve >/dev/null; then  # a site folder has no console scripts: 
   chmod +x /tmp/bin/serve; export PATH=/tmp/bin:$PATH
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no GPU"; } | tee "$OUT/gpu.txt"
-python3 -c "import torch, diffusers, triton, ray, peft; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -c "
+import importlib
+for name in ('torch', 'diffusers', 'triton', 'ray', 'peft', 'mutmut'):
+    try:
+        print(name, importlib.import_module(name).__version__, end='; ')
+    except Exception:
+        print(name, 'missing', end='; ')
+print()" | tee -a "$OUT/gpu.txt"
 echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}; set up in $(( $(date +%s) - T0 )) s" | tee -a "$OUT/gpu.txt"
 
 load() {  # $1 = max_batch_size
@@ -60,7 +69,8 @@ for part in ${PARTS:-}; do
     load2|load1) need=$(( SECS + 130 )) ;;
     slots) need=240 ;;
     kontext) need=240 ;;
-    tests) need=300 ;;
+    tests) need=${TESTS_NEED:-300} ;;
+    mutate) need=200 ;;
     *) echo "unknown part $part"; continue ;;
   esac
   echo "=== $part ($(left) s left) $(date +%T)"
@@ -71,8 +81,15 @@ for part in ${PARTS:-}; do
     slots) timeout $(( $(left) - 5 )) python3 bench/lora_slots.py --out "$OUT/lora-slots.json" ;;
     kontext) timeout $(( $(left) - 5 )) python3 bench/e2e.py --model flux-kontext-random --edit --high-default \
                --cuda-graphs --steps 28 --repeats ${KREPEATS:-3} --out "$OUT/e2e-kontext.json" ;;
-    tests) timeout $(( $(left) - 5 )) python3 -m pytest -q -p no:cacheprovider -m gpu tests/ -rfEs \
+    tests) timeout $(( $(left) - 5 )) python3 -m pytest -q -p no:cacheprovider -m gpu ${TEST_ARGS:-tests/} -rfEs \
              2>&1 | tee "$OUT/gpu-tests.log" ;;
+    mutate) [ -d /tmp/site/bin ] && export PATH=/tmp/site/bin:$PATH
+            # shellcheck disable=SC2046  # one mutant name per line
+            FLUXSERVE_MUTATE_GPU=1 FLUXSERVE_MUTATE_K="${MUTATE_K:-gpu and not compile and not graph}" \
+              timeout $(( $(left) - 5 )) python3 tests/mutate.py --together --out "$OUT/mut" \
+              --max-children "${MUTATE_CHILDREN:-12}" --seconds $(( $(left) - 70 )) $MUTATE_MODULES \
+              --tests $MUTATE_TESTS --only $(cat "$MUTATE_ONLY")
+            tar -czf "$OUT/mut.tar.gz" -C "$OUT" mut && rm -rf "$OUT/mut" ;;
   esac
   echo "=== $part done $(date +%T)"
 done
