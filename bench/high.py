@@ -25,6 +25,7 @@ import platform
 import shlex
 import statistics
 import sys
+import time
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -255,6 +256,29 @@ def lossless_step_fn(pipe: FluxServePipeline, inputs: dict[str, Any], calls: int
     return call
 
 
+def time_outside_transformer(transformer: torch.nn.Module, fn: Callable[[], Any]) -> tuple[float, float]:
+    """(seconds of one call of `fn`, seconds of it spent outside `transformer`'s forwards): each forward is bracketed
+    by a device synchronize, so the call runs a little slower than untimed; the outside share is what it measures."""
+    inside = [0.0]
+    start = [0.0]
+
+    def pre(*_: Any) -> None:
+        _sync()
+        start[0] = time.perf_counter()
+
+    def post(*_: Any) -> None:
+        _sync()
+        inside[0] += time.perf_counter() - start[0]
+
+    hooks = [transformer.register_forward_pre_hook(pre), transformer.register_forward_hook(post)]
+    try:
+        total, _ = timed(fn)
+    finally:
+        for h in hooks:
+            h.remove()
+    return total, total - inside[0]
+
+
 def time_steps(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, dict[str, float]]:
     """Median / min / max ms per fn, interleaved; Dynamo graphs compiled meanwhile add to `recompiles_while_timing`
     (a compiled variant was compiled before: steady state compiles nothing)."""
@@ -432,12 +456,19 @@ def main(argv: list[str] | None = None) -> int:
 
     high_name = args.high_set if args.high_set in variants else None
     e2e: dict[str, Any] = {}
+    outside_s = None
     if high_name is not None:
+        ours.enable_cuda_graphs()  # for lossless_graphs; the other calls name cuda_graphs=False
         fns = {
             "diffusers": lambda: run_flux_pipeline(reference, [req("lossless", args.e2e_steps)]),
             "lossless": lambda: ours.generate([req("lossless", args.e2e_steps)], cuda_graphs=False),
             "high": lambda: high_generate(variants[high_name], by_name[high_name]),
+            # the lossless pool's served form replays graphed steps (byte-identical: tests/test_graphs_gpu.py)
+            "lossless_graphs": lambda: ours.generate([req("lossless", args.e2e_steps)], cuda_graphs=True),
         }
+        if yardstick is not None and TORCHAO not in errors:
+            ao_pipe = type(reference)(**{**reference.components, "transformer": yardstick.transformer})
+            fns[TORCHAO] = lambda: run_flux_pipeline(ao_pipe, [req("lossless", args.e2e_steps)])
         for name in variants:  # the step cache shows only end to end
             if by_name[name].step_cache is not None:
                 fns[name] = (lambda n: lambda: high_generate(variants[n], by_name[n]))(name)
@@ -449,12 +480,17 @@ def main(argv: list[str] | None = None) -> int:
                     times[name].append(t)
         e2e = {k: statistics.median(v) for k, v in times.items()}
         print(f"  e2e {args.e2e_steps} steps: {e2e}", flush=True)
+        outside = [time_outside_transformer(variants[high_name].transformer, fns["high"])[1]
+                   for _ in range(args.e2e_repeats)]
+        outside_s = statistics.median(outside)
 
     profile: dict[str, float] = {}
+    profile_lossless: dict[str, float] = {}
     if high_name is not None and torch.cuda.is_available():
         inputs = step_inputs(ours, 1, args.size, text_tokens)
         try:
             profile = kernel_families(step_fn(variants[high_name], by_name[high_name], inputs))
+            profile_lossless = kernel_families(lossless_step_fn(ours, inputs))
         except Exception:
             errors["profile"] = traceback.format_exc()[-2000:]
 
@@ -524,10 +560,13 @@ def main(argv: list[str] | None = None) -> int:
         "techniques": techniques,
         "step": step,
         "profile_high_step_ms_by_family": profile,
+        "profile_lossless_step_ms_by_family": profile_lossless,
+        "outside_transformer_s": outside_s,
         "errors": errors,
         "repeats": args.repeats, "warmup": args.warmup, "e2e_repeats": args.e2e_repeats,
         "command": command,
     }
+    result.update(perf_summary(result))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -535,6 +574,31 @@ def main(argv: list[str] | None = None) -> int:
     print(out.with_suffix(".md").read_text())
     gc.collect()
     return 0 if result["lossless_png_md5_equal"] else 1
+
+
+def perf_summary(r: dict[str, Any]) -> dict[str, Any]:
+    """The figures the performance issue asks for, by its names, from one run's result: per-step times at batch 1,
+    speed-ups against diffusers eager, end to end as the pools serve (lossless graphed), and the seconds of a `high`
+    image outside its transformer's forwards (`time_outside_transformer`) and its share of that image."""
+    e2e, b1 = r["e2e_s"], r["step"].get("batch1", {})
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    lossless_e2e = e2e.get("lossless_graphs", e2e.get("lossless"))
+    return {
+        "diffusers_step_ms": r["step_ms_diffusers"],
+        "lossless_step_ms": r["step_ms_lossless"],
+        "high_step_ms": r["step_ms_high"],
+        "lossless_step_speedup": ratio(r["step_ms_diffusers"], r["step_ms_lossless"]),
+        "high_step_speedup": r["high_step_speedup"],
+        "lossless_e2e_speedup": ratio(e2e.get("diffusers"), lossless_e2e),
+        "high_e2e_speedup": r["high_e2e_speedup"],
+        "torchao_e2e_speedup": ratio(e2e.get("diffusers"), e2e.get(TORCHAO)),
+        "torchao_step_ms": b1.get(TORCHAO, {}).get("median_ms"),
+        "outside_transformer_s": r["outside_transformer_s"],
+        "outside_transformer_share": ratio(r["outside_transformer_s"], e2e.get("high")),
+    }
 
 
 def write_markdown(path: Path, r: dict[str, Any]) -> None:
@@ -607,9 +671,16 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
         lines += [f"`{t['name']}`: compiled and warmed up in {f(t.get('compile_warmup_s'), '.1f')} s before timing; "
                   f"Dynamo graphs compiled while timing (every variant): {r['recompiles_while_timing']}; graph "
                   f"breaks: {sum(breaks.values())}{' ' + str(breaks) if breaks else ''}.", ""]
-    if r["profile_high_step_ms_by_family"]:
-        lines += ["Profile of the high set's step (B=1, CUDA kernel time per step):", "", "| family | ms |", "|---|---|"]
-        lines += [f"| {k} | {v:.2f} |" for k, v in r["profile_high_step_ms_by_family"].items()]
+    lines += ["Summary (batch 1; end to end as the pools serve, lossless graphed):", "", "| key | value |", "|---|---|"]
+    lines += [f"| `{k}` | {f(r.get(k), '.3f')} |" for k in perf_summary(r)]
+    lines.append("")
+    profiles = {"high set": r["profile_high_step_ms_by_family"], "lossless": r.get("profile_lossless_step_ms_by_family")}
+    if any(profiles.values()):
+        families = list(dict.fromkeys(k for p in profiles.values() if p for k in p))
+        lines += ["Profile of one step (B=1, CUDA kernel time per step, ms):", "",
+                  "| family | " + " | ".join(profiles) + " |", "|---|" + "---|" * len(profiles)]
+        lines += [f"| {k} | " + " | ".join(f((p or {}).get(k), '.2f') for p in profiles.values()) + " |"
+                  for k in families]
         lines.append("")
     if r["errors"]:
         lines += ["Errors / refusals:", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in r["errors"].items()]
