@@ -259,3 +259,92 @@ def test_the_toys_stream_previews_show_its_picture(toy_pipe) -> None:
     final = pixels(with_previews[0])
     mse = ((pixels(got[2]) - final) ** 2).mean()
     assert 10 * np.log10(255 ** 2 / max(mse, 1e-9)) >= 20
+
+
+@pytest.mark.parametrize("size", [(256, 256), (512, 512), (768, 1360), (1360, 768), (576, 1024)])
+def test_scenes_at_any_size_keep_their_shapes_and_places_and_the_checker_reads_them(size: tuple[int, int]) -> None:
+    """A wide or tall image puts cell centres at the grid's fractions of each side and keeps a shape's form
+    (its extent is a fraction of the shorter side): a circle is as wide as it is tall in pixels, where it should
+    be; and the checker reads every attribute back. Catches a shape stretched with the image, a centre taken from
+    the wrong side, or a checker still reading a square image's cells."""
+    import numpy as np
+
+    from model.toy.scenes import GRID, RADIUS
+
+    h, w = size
+    scene = Scene("gray", (Shape("circle", "red", "large", "top right"), Shape("square", "blue", "small", "left")))
+    img = render(scene, size).numpy()
+    assert img.shape == (h, w, 3)
+    ys, xs = np.nonzero((img == (220, 40, 40)).all(-1))
+    short = min(h, w)
+    assert abs((ys.max() - ys.min() + 1) - (xs.max() - xs.min() + 1)) <= 1
+    assert abs((ys.max() - ys.min() + 1) - 2 * RADIUS["large"] * short) <= 2
+    assert abs((ys.max() + ys.min()) / 2 - GRID[0] * h) <= 1 and abs((xs.max() + xs.min()) / 2 - GRID[2] * w) <= 1
+    assert score(img, scene).fraction == 1.0
+    moved = Scene("gray", (Shape("circle", "red", "large", "top"), Shape("square", "blue", "small", "left")))
+    assert not score(img, moved).details["0.place"]
+    rng = random.Random(5)
+    for _ in range(30):
+        s = sample_scene(rng)
+        assert score(render(s, size).numpy(), s).fraction == 1.0, (size, caption(s))
+
+
+def test_training_noise_levels_are_shifted_as_the_pipeline_samples_at_each_size() -> None:
+    """The toy's scheduler shifts noise levels by image size as FLUX's does (none at 256x256, a factor e^1.1 at
+    1024x1024, mu linear in the token count), and training draws its levels through that same shift: the sigmas
+    FluxPipeline's sampler steps through at a size are the training shift of the unshifted ones. Catches a shift
+    that ignores the size, the sampler and the training disagreeing, or 256x256 moved."""
+    import math
+
+    import numpy as np
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+    from model.toy.train import SCHEDULER, image_tokens, shifted_sigmas
+
+    steps = 16
+    plain = np.linspace(1.0, 1 / steps, steps)
+    for (h, w), mu in [((256, 256), 0.0), ((1024, 1024), 1.1), ((512, 512), 1.1 * (1024 - 256) / (4096 - 256)),
+                       ((768, 1360), 1.1 * (4080 - 256) / (4096 - 256))]:
+        sched = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+        cfg = sched.config
+        pipe_mu = calculate_shift(image_tokens(h, w), cfg.base_image_seq_len, cfg.max_image_seq_len,
+                                  cfg.base_shift, cfg.max_shift)  # as FluxPipeline.__call__ computes it
+        assert math.isclose(pipe_mu, mu, abs_tol=1e-9), (h, w, pipe_mu, mu)
+        retrieve_timesteps(sched, steps, "cpu", sigmas=plain, mu=pipe_mu)
+        s = torch.tensor(plain, dtype=torch.float32)
+        expected = math.exp(mu) * s / (1 + (math.exp(mu) - 1) * s)  # the exponential time shift, in closed form
+        assert torch.allclose(sched.sigmas[:-1].float(), expected, atol=1e-6), (h, w)
+        assert torch.allclose(shifted_sigmas(s, h, w), expected, atol=1e-6), (h, w)
+
+
+def test_training_at_several_sizes_draws_each_and_states_them(tmp_path: Path) -> None:
+    """A resumed run at three sizes (two wide) trains on latents of each, reports them, and the folder it writes
+    loads through `load_pipeline`, states those sizes and draws at a wide one. Catches a size's latents packed
+    with the wrong grid, positions (img_ids) of another size, or the statement left at 256x256."""
+    import json
+
+    import torch
+
+    from model.loading import load_pipeline, trained_sizes
+    from model.presets import SHIPPED
+    from model.request import GenerationRequest
+    from model.toy.train import main
+
+    sizes = ["256x256", "384x256", "256x384"]
+    assert main(["--device", "cpu", "--resume", str(SHIPPED["toy"]), "--transformer-steps", "6",
+                 "--transformer-seconds", "600", "--scenes", "100", "--tokens-per-size", "8000", "--batch", "4",
+                 "--precision", "fp32", "--out", str(tmp_path), "--sizes", *sizes]) == 0
+    report = json.loads((tmp_path / "train.json").read_text())
+    assert report["transformer_steps"] == 6 and sum(report["steps_by_size"].values()) == 6
+    assert set(report["scenes_by_size"]) == set(sizes) and report["scenes_by_size"]["256x256"] == 8000 // 256
+    assert trained_sizes(str(tmp_path)) == sizes
+    pipe = load_pipeline(str(tmp_path), device="cpu", dtype=torch.float32)
+    out = pipe.generate([GenerationRequest("a large red circle on the left, on a white background", height=256,
+                                           width=384, steps=2, seed=0)])[0]
+    assert out.latents.shape == (16, 256 // 8, 384 // 8)
+    from PIL import Image
+    import io
+
+    assert Image.open(io.BytesIO(out.png)).size == (384, 256)

@@ -56,14 +56,16 @@ def adherence_of_pngs(prompts: list[str], pngs: list[bytes]) -> Adherence:
 
 
 def measure(pipe: Any, prompts: list[str], quality: str = "lossless", steps: int = 16, batch: int = 8,
-            first_seed: int = 0) -> tuple[Adherence, list[Any]]:
-    """Generate one image per prompt (seed first_seed + i) through `pipe` (a FluxServePipeline) and score them;
-    returns the score and the GenerationResults."""
+            first_seed: int = 0, size: tuple[int, int] = (256, 256)) -> tuple[Adherence, list[Any]]:
+    """Generate one image per prompt (seed first_seed + i) at size (height, width) through `pipe` (a
+    FluxServePipeline) and score them; returns the score and the GenerationResults."""
     from model.request import GenerationRequest
 
+    height, width = size
     results: list[Any] = []
     for i in range(0, len(prompts), batch):
-        reqs = [GenerationRequest(p, height=256, width=256, steps=steps, seed=first_seed + i + k, quality=quality)
+        reqs = [GenerationRequest(p, height=height, width=width, steps=steps, seed=first_seed + i + k,
+                                  quality=quality)
                 for k, p in enumerate(prompts[i:i + batch])]
         results += pipe.generate(reqs)
     return adherence_of_pngs(prompts, [r.png for r in results]), results

@@ -40,9 +40,10 @@ class ShapeReading:
 
 
 def read_cell(img: np.ndarray, place: str, background_rgb: np.ndarray) -> ShapeReading:
-    side = img.shape[0]
+    # cell centres at the grid's fractions of each side, extents in fractions of the shorter side (as drawn)
+    side = min(img.shape[0], img.shape[1])
     row, col = PLACES[place]
-    cy, cx = GRID[row] * side, GRID[col] * side
+    cy, cx = GRID[row] * img.shape[0], GRID[col] * img.shape[1]
     h = _WINDOW * side
     y0, y1, x0, x1 = (int(round(v)) for v in (cy - h, cy + h, cx - h, cx + h))
     window = img[max(y0, 0):y1, max(x0, 0):x1].astype(np.float64)

@@ -85,17 +85,27 @@ def parse_caption(text: str) -> Scene:
     return Scene(m.group(1), tuple(shapes))
 
 
-def render_batch(scenes: list[Scene], size: int = 256, device: str | torch.device = "cpu") -> torch.Tensor:
-    """Scenes drawn as float RGB in [-1, 1], [B, 3, size, size] (what the VAE and the training see).
+def _hw(size: int | tuple[int, int]) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
-    Vectorised over the batch: shape slot k of every scene is drawn at once (scenes with fewer shapes leave the
-    slot's mask empty). Each scalar is rounded to float32 once, as a Python number is in a tensor op, so a scene
-    draws the same pixels whatever batch it is in."""
+
+def render_batch(scenes: list[Scene], size: int | tuple[int, int] = 256,
+                 device: str | torch.device = "cpu") -> torch.Tensor:
+    """Scenes drawn as float RGB in [-1, 1], [B, 3, H, W] (what the VAE and the training see); `size` is a side or
+    (height, width).
+
+    Cell centres sit at the GRID fractions of each side; a shape's extent is a fraction of the shorter side, so
+    shapes keep their form in a wide image. Vectorised over the batch: shape slot k of every scene is drawn at once
+    (scenes with fewer shapes leave the slot's mask empty). Each scalar is rounded to float32 once, as a Python
+    number is in a tensor op, so a scene draws the same pixels whatever batch it is in."""
+    height, width = _hw(size)
+    short = min(height, width)
     b, slots = len(scenes), max((len(s.shapes) for s in scenes), default=0)
-    coords = (torch.arange(size, device=device, dtype=torch.float32) + 0.5) / size
-    yy, xx = (c[None] for c in torch.meshgrid(coords, coords, indexing="ij"))
+    ys = (torch.arange(height, device=device, dtype=torch.float32) + 0.5) / height
+    xs = (torch.arange(width, device=device, dtype=torch.float32) + 0.5) / width
+    yy, xx = (c[None] for c in torch.meshgrid(ys, xs, indexing="ij"))
     img = torch.tensor([BACKGROUNDS[s.background] for s in scenes], device=device, dtype=torch.float32)
-    img = img[:, :, None, None].expand(b, 3, size, size).clone()
+    img = img[:, :, None, None].expand(b, 3, height, width).clone()
     kinds = {k: i for i, k in enumerate(KINDS)}
     for k in range(slots):
         rows = [(s.shapes[k] if k < len(s.shapes) else None) for s in scenes]
@@ -105,8 +115,9 @@ def render_batch(scenes: list[Scene], size: int = 256, device: str | torch.devic
              for t in rows]
         cy, cx, r, r2, half, r2x, kind, present = (
             torch.tensor(col, device=device, dtype=torch.float32)[:, None, None] for col in zip(*p))
-        dy, dx = yy - cy, xx - cx
-        mask = torch.zeros(b, size, size, dtype=torch.bool, device=device)
+        # offsets in units of the shorter side (a square image scales by exactly 1)
+        dy, dx = (yy - cy) * (height / short), (xx - cx) * (width / short)
+        mask = torch.zeros(b, height, width, dtype=torch.bool, device=device)
         for i in {kinds[t.kind] for t in rows if t}:  # only the kinds this slot draws
             if i == 0:
                 m = dy * dy + dx * dx <= r2
@@ -122,7 +133,7 @@ def render_batch(scenes: list[Scene], size: int = 256, device: str | torch.devic
     return img / 127.5 - 1.0
 
 
-def render(scene: Scene, size: int = 256) -> "torch.Tensor":
-    """One scene as uint8 RGB [size, size, 3] on the CPU."""
+def render(scene: Scene, size: int | tuple[int, int] = 256) -> "torch.Tensor":
+    """One scene as uint8 RGB [H, W, 3] on the CPU."""
     x = render_batch([scene], size)[0]
     return ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0)

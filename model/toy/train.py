@@ -55,7 +55,14 @@ CLIP = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 T5 = dict(d_model=64, d_ff=256, d_kv=16, num_heads=4, num_layers=3, relative_attention_num_buckets=32,
           relative_attention_max_distance=64)
 VAE = dict(block_out_channels=(16, 32, 64, 64), layers_per_block=1, norm_num_groups=16, sample_size=SIZE)
-SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
+# FLUX's resolution-dependent shift (FluxPipeline computes mu from the image's token count): none at 256 tokens
+# (256x256), a shift of e^1.1 = 3 at 4096 (1024x1024), linear in the token count between; training draws its noise
+# levels through the same shift (`shifted_sigmas`)
+SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_image_seq_len=256,
+                 max_image_seq_len=4096, base_shift=0.0, max_shift=1.1, time_shift_type="exponential")
+# The sizes the transformer trains at (OpenAI's "WxH"): squares from 256 to 1024, and 16:9 / 9:16 near 0.6 and 1 MP
+SIZES_TRAINED = ("256x256", "384x384", "512x512", "768x768", "1024x1024", "1024x576", "576x1024", "1360x768",
+                 "768x1360")
 TRAIN_SCENES = 120000  # default size of the captioned training set
 _SCENE_SEED_OFFSET = 2  # the training scenes' stream: random.Random(seed + 2), apart from the VAE's and the model's
 
@@ -246,16 +253,67 @@ def train_vae(device: str, steps: int, batch: int, seed: int, seconds: float = f
     return vae, report
 
 
+def parse_size(size: str) -> tuple[int, int]:
+    """'WxH' (OpenAI's order) -> (height, width)."""
+    w, h = (int(v) for v in size.split("x"))
+    return h, w
+
+
+def image_tokens(height: int, width: int) -> int:
+    return (height // 16) * (width // 16)
+
+
+def shifted_sigmas(sigma: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Noise levels moved by the shift a FluxPipeline run at this size samples with (diffusers' own mu and shift
+    functions, from SCHEDULER), so training and sampling agree on what a noise level means at each size."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    mu = calculate_shift(image_tokens(height, width), SCHEDULER["base_image_seq_len"],
+                         SCHEDULER["max_image_seq_len"], SCHEDULER["base_shift"], SCHEDULER["max_shift"])
+    return FlowMatchEulerDiscreteScheduler(**SCHEDULER).time_shift(mu, 1.0, sigma)
+
+
 @torch.no_grad()
-def encode_images(vae: Any, scenes: list, device: str, chunk: int = 256) -> torch.Tensor:
+def encode_images(vae: Any, scenes: list, device: str, chunk: int = 256,
+                  size: tuple[int, int] = (SIZE, SIZE)) -> torch.Tensor:
+    """Packed latents [N, tokens, 64] (bf16) of the scenes drawn at size (height, width)."""
     from diffusers import FluxPipeline
 
+    height, width = size
+    chunk = max(1, chunk * SIZE * SIZE // (height * width))
     out = []
     for i in range(0, len(scenes), chunk):
-        x = render_batch(scenes[i:i + chunk], SIZE, device)
+        x = render_batch(scenes[i:i + chunk], size, device)
         z = (vae.encode(x).latent_dist.mean - vae.config.shift_factor) * vae.config.scaling_factor
-        out.append(FluxPipeline._pack_latents(z, z.shape[0], 16, SIZE // 8, SIZE // 8).to(torch.bfloat16))
+        out.append(FluxPipeline._pack_latents(z, z.shape[0], 16, height // 8, width // 8).to(torch.bfloat16))
     return torch.cat(out)
+
+
+class Bucket:
+    """The training latents of one size: scene indices into the captioned set, and their packed latents."""
+
+    def __init__(self, size: str, index: torch.Tensor, latents: torch.Tensor, weight: float = 1.0) -> None:
+        self.size, self.index, self.latents, self.weight = size, index, latents, weight
+        self.height, self.width = parse_size(size)
+        self.tokens = image_tokens(self.height, self.width)
+
+
+def make_buckets(vae: Any, scenes: list[Scene], sizes: list[str], device: str, tokens_per_size: int,
+                 seed: int) -> list[Bucket]:
+    """Per size, a random subset of the captioned scenes (about `tokens_per_size` image tokens of them) encoded at
+    that size; 256x256 counts twice in the draw of a step's size (the size most requests use)."""
+    g = torch.Generator().manual_seed(seed)
+    buckets = []
+    for size in sizes:
+        h, w = parse_size(size)
+        n = min(len(scenes), max(1, tokens_per_size // image_tokens(h, w)))
+        index = torch.randperm(len(scenes), generator=g)[:n]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+            latents = encode_images(vae, [scenes[i] for i in index.tolist()], device, size=(h, w))
+        buckets.append(Bucket(size, index.to(device), latents, weight=2.0 if size == f"{SIZE}x{SIZE}" else 1.0))
+        print(f"bucket {size}: {n} scenes", flush=True)
+    return buckets
 
 
 def _attention_backends(name: str) -> Any:
@@ -291,11 +349,14 @@ class Trainee(nn.Module):
         return F.mse_loss(pred.float(), noise - x0), probe_loss(self.probe(seq), targets)
 
 
-def train_transformer(trainee: Trainee, latents: torch.Tensor, clip_ids: torch.Tensor, t5_ids: torch.Tensor,
+def train_transformer(trainee: Trainee, buckets: list[Bucket], clip_ids: torch.Tensor, t5_ids: torch.Tensor,
                       targets: dict[str, torch.Tensor], device: str, seconds: float, batch: int, seed: int,
                       precision: str = "fp32", attention: str = "default", probe_weight: float = 0.1,
-                      ema_decay: float = 0.999, max_steps: int | None = None) -> dict[str, float]:
-    """Train `trainee` in place for `seconds` (or `max_steps`); its weights end as their moving average."""
+                      ema_decay: float = 0.999, max_steps: int | None = None, lr: float = 6e-4,
+                      warmup: int = 300) -> dict[str, Any]:
+    """Train `trainee` in place for `seconds` (or `max_steps`); its weights end as their moving average. Each step
+    draws one size (by the buckets' weights) and about `batch` x 256 image tokens of it: batch x 256 / tokens
+    images, so every step costs about the same."""
     from diffusers import FluxPipeline
 
     torch.manual_seed(seed)
@@ -303,28 +364,39 @@ def train_transformer(trainee: Trainee, latents: torch.Tensor, clip_ids: torch.T
     trainee.to(device).train()
     params = [p for p in trainee.parameters()]
     ema = [p.detach().clone() for p in params]
-    opt = torch.optim.AdamW(params, lr=6e-4, betas=(0.9, 0.99), weight_decay=0.01)
-    img_ids = FluxPipeline._prepare_latent_image_ids(1, SIZE // 16, SIZE // 16, device, torch.float32)
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.01)
+    img_ids = [FluxPipeline._prepare_latent_image_ids(1, b.height // 16, b.width // 16, device, torch.float32)
+               for b in buckets]
     txt_ids = torch.zeros(T5_TOKENS, 3, device=device)
     g = torch.Generator(device).manual_seed(seed)
-    n, t0, step, flow_hist, probe_hist = latents.shape[0], time.time(), 0, [], []
-    warmup = 300
+    pick = torch.Generator().manual_seed(seed)
+    weights = torch.tensor([b.weight for b in buckets])
+    t0, step, flow_hist, probe_hist = time.time(), 0, [], []
+    flow_by_size: dict[str, list[float]] = {b.size: [] for b in buckets}
+    steps_by_size = {b.size: 0 for b in buckets}
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16")
     while time.time() - t0 < seconds and (max_steps is None or step < max_steps):
-        idx = torch.randint(0, n, (batch,), device=device, generator=g)
-        x0 = latents[idx].float()
+        k = int(torch.multinomial(weights, 1, generator=pick))
+        b = buckets[k]
+        rows = max(1, batch * 256 // b.tokens)
+        pos = torch.randint(0, b.latents.shape[0], (rows,), device=device, generator=g)
+        idx = b.index[pos]
+        x0 = b.latents[pos].float()
         noise = torch.randn(x0.shape, device=device, generator=g)
-        sigma = torch.sigmoid(torch.randn(batch, device=device, generator=g))
+        sigma = shifted_sigmas(torch.sigmoid(torch.randn(rows, device=device, generator=g)), b.height, b.width)
         with autocast, _attention_backends(attention):
             flow, probe = trainee.losses(x0, clip_ids[idx], t5_ids[idx], {k: v[idx] for k, v in targets.items()},
-                                         noise, sigma, img_ids, txt_ids)
+                                         noise, sigma, img_ids[k], txt_ids)
             loss = flow + probe_weight * probe
+        steps_by_size[b.size] += 1
+        if steps_by_size[b.size] % 20 == 0:
+            flow_by_size[b.size].append(flow.item())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         frac = min(1.0, (time.time() - t0) / seconds) if max_steps is None else step / max_steps
         for grp in opt.param_groups:  # linear warm-up, then cosine over the time budget
-            grp["lr"] = 6e-4 * min(1.0, (step + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+            grp["lr"] = lr * min(1.0, (step + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
         opt.step()
         with torch.no_grad():
             torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - min(ema_decay, (1 + step) / (10 + step)))
@@ -346,7 +418,8 @@ def train_transformer(trainee: Trainee, latents: torch.Tensor, clip_ids: torch.T
     return {"transformer_steps": step, "transformer_seconds": time.time() - t0,
             "transformer_final_loss": tail(flow_hist), "probe_final_loss": tail(probe_hist),
             "transformer_params": sum(p.numel() for p in trainee.transformer.parameters()),
-            "precision": precision, "attention": attention}
+            "precision": precision, "attention": attention, "steps_by_size": steps_by_size,
+            "final_loss_by_size": {k: tail(v) if v else None for k, v in flow_by_size.items()}}
 
 
 def probe_precision(attention: str, device: str = "cuda", batch: int = 256) -> None:
@@ -358,7 +431,8 @@ def probe_precision(attention: str, device: str = "cuda", batch: int = 256) -> N
     clip_ids, t5_ids = tokenize(text, [caption(s) for s in scenes])
     targets = {k: v.to(device) for k, v in probe_targets(scenes).items()}
     latents = torch.randn(batch, (SIZE // 16) ** 2, 64, device=device, dtype=torch.bfloat16)
-    train_transformer(trainee, latents, clip_ids.to(device), t5_ids.to(device), targets, device, 60.0, batch, 0,
+    bucket = Bucket(f"{SIZE}x{SIZE}", torch.arange(batch, device=device), latents)
+    train_transformer(trainee, [bucket], clip_ids.to(device), t5_ids.to(device), targets, device, 60.0, batch, 0,
                       precision="bf16", attention=attention, max_steps=3)
     torch.cuda.synchronize()
 
@@ -392,6 +466,13 @@ def load_trained(folder: Path, device: str) -> tuple[dict[str, Any], Any, Any]:
     return text, vae, FluxTransformer2DModel.from_pretrained(folder / "transformer", **f32)
 
 
+def _statement_sizes(folder: Path) -> list[str]:
+    """The sizes a folder this script wrote says it was trained at (a decoder-only run keeps them)."""
+    from model.loading import trained_sizes
+
+    return trained_sizes(str(folder)) or [f"{SIZE}x{SIZE}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(Path(__file__).parent / "flux-toy"))
@@ -408,7 +489,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenes", type=int, default=TRAIN_SCENES)
     ap.add_argument("--transformer-seconds", type=float, default=270.0)
     ap.add_argument("--transformer-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=256, help="images of 256x256 per step (fewer of larger sizes)")
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES_TRAINED), help="sizes to train at ('WxH')")
+    ap.add_argument("--tokens-per-size", type=int, default=6_000_000,
+                    help="image tokens of training latents per size (256 per 256x256 image)")
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--warmup", type=int, default=300, help="learning-rate warm-up steps")
     ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
     ap.add_argument("--probe-weight", type=float, default=0.1)
     ap.add_argument("--resume", default=None, help="a folder this script wrote: keep its VAE and tokenizers, and go "
@@ -452,14 +538,16 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         clip_ids, t5_ids = tokenize(text, [caption(s) for s in scenes])
         targets = {k: v.to(a.device) for k, v in probe_targets(scenes).items()}
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.device.startswith("cuda")):
-            latents = encode_images(vae, scenes, a.device)
+        buckets = make_buckets(vae, scenes, a.sizes, a.device, a.tokens_per_size, a.seed + 5)
         report["dataset_seconds"] = time.time() - t0
         report["scenes"] = a.scenes
-        print(f"dataset: {a.scenes} scenes in {report['dataset_seconds']:.0f} s", flush=True)
-        report.update(train_transformer(trainee, latents, clip_ids.to(a.device), t5_ids.to(a.device), targets,
+        report["scenes_by_size"] = {b.size: int(b.latents.shape[0]) for b in buckets}
+        print(f"dataset: {a.scenes} scenes, {report['scenes_by_size']} in {report['dataset_seconds']:.0f} s",
+              flush=True)
+        report.update(train_transformer(trainee, buckets, clip_ids.to(a.device), t5_ids.to(a.device), targets,
                                         a.device, a.transformer_seconds, a.batch, a.seed + 3, precision, attention,
-                                        a.probe_weight, max_steps=a.transformer_steps))
+                                        a.probe_weight, max_steps=a.transformer_steps, lr=a.lr, warmup=a.warmup))
+        del buckets
     pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae.to(torch.float16),
                         transformer=trainee.transformer.to(torch.float16),
                         text_encoder=trainee.clip.to(torch.float16), text_encoder_2=trainee.t5.to(torch.float16),
@@ -469,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     from model.loading import write_statement
 
     # what /v1/models states (requests at other sizes are told), and previews by its VAE (a decode costs little here)
-    write_statement(out, trained_sizes=[f"{SIZE}x{SIZE}"], previews="vae")
+    write_statement(out, trained_sizes=list(a.sizes) if a.transformer_seconds > 0 or not a.resume
+                    else _statement_sizes(Path(a.resume)), previews="vae")
     report["weights_mb"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
     report["total_seconds"] = time.time() - t_start
     report["command"] = "python -m model.toy.train " + " ".join(argv if argv is not None else sys.argv[1:])
