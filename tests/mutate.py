@@ -58,7 +58,8 @@ MODULES: dict[str, list[str]] = {
     "kernels/gelu.py": ["tests/test_guards.py", "tests/test_kernels.py", "tests/test_tiers.py", "tests/test_flux.py", "tests/test_kernels_gpu.py",
                         "tests/test_pipeline_gpu.py"],
     # tests/test_tp.py runs the layers in spawned ranks, out of reach; test_linear.py runs them in threads
-    "model/linear.py": ["tests/test_linear.py", "tests/test_family.py", "tests/test_fp8.py"],
+    "model/linear.py": ["tests/test_linear.py", "tests/test_family.py", "tests/test_fp8.py",
+                        "tests/test_adapter_slots.py"],  # (the layer's adapter side path and its parts)
     "model/features.py": ["tests/test_features.py", "tests/test_tiers.py"],
     "kernels/sites.py": ["tests/test_sites.py", "tests/test_tiers.py"],
 }

@@ -348,3 +348,28 @@ def test_training_at_several_sizes_draws_each_and_states_them(tmp_path: Path) ->
     import io
 
     assert Image.open(io.BytesIO(out.png)).size == (384, 256)
+
+
+def test_the_vae_trains_at_each_size_it_is_given(monkeypatch) -> None:
+    """`--vae-sizes`: VAE steps draw scenes at each size (fewer images of a larger one) and the decoder-only tuning
+    still leaves the encoder alone. Catches the sizes ignored (every step at 256x256) or a size's batch not scaled."""
+    import torch
+
+    from model.toy import train
+
+    drawn: list[tuple[int, int, int]] = []
+    real = train.render_batch
+
+    def spy(scenes, size, device="cpu"):
+        x = real(scenes, size, device)
+        drawn.append((len(scenes), x.shape[2], x.shape[3]))
+        return x
+
+    monkeypatch.setattr(train, "render_batch", spy)
+    torch.manual_seed(0)
+    vae = train.new_vae("cpu")
+    encoder = {k: v.clone() for k, v in vae.encoder.state_dict().items()}
+    report = train.fit_vae(vae, "cpu", steps=8, batch=2, seed=1, decoder_only=True, sizes=("256x256", "512x256"))
+    assert report["vae_sizes"] == ["256x256", "512x256"]
+    assert {(n, h, w) for n, h, w in drawn} == {(2, 256, 256), (1, 256, 512)}
+    assert all(torch.equal(v, vae.encoder.state_dict()[k]) for k, v in encoder.items())

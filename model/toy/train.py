@@ -186,10 +186,12 @@ def shape_weights(scenes: list[Scene], x: torch.Tensor, fg_weight: float) -> tor
 
 
 def fit_vae(vae: Any, device: str, steps: int, batch: int, seed: int, seconds: float = float("inf"),
-            decoder_only: bool = False, fg_weight: float = 8.0, lr: float = 1e-3) -> dict[str, float]:
+            decoder_only: bool = False, fg_weight: float = 8.0, lr: float = 1e-3,
+            sizes: tuple[str, ...] = (f"{SIZE}x{SIZE}",)) -> dict[str, Any]:
     """Train `vae` as an autoencoder on fresh scenes (shape-weighted L1 + MSE, a tiny KL), cosine learning rate over
     the steps or the time budget. decoder_only: the encoder stays frozen, so the latent space (and a transformer
-    trained on it) stays valid while the decoder learns to draw its latents better."""
+    trained on it) stays valid while the decoder learns to draw its latents better. Each step draws one of `sizes`
+    ('WxH') and `batch` x 256x256 pixels of it (a VAE trained at 256x256 alone reconstructs larger scenes badly)."""
     vae.to(device).train()
     params = list(vae.decoder.parameters()) if decoder_only else list(vae.parameters())
     if decoder_only:
@@ -201,8 +203,9 @@ def fit_vae(vae: Any, device: str, steps: int, batch: int, seed: int, seconds: f
         if time.time() - t0 > seconds:
             break
         done = step + 1
-        scenes = [sample_scene(rng) for _ in range(batch)]
-        x = render_batch(scenes, SIZE, device)
+        height, width = parse_size(sizes[rng.randrange(len(sizes))] if len(sizes) > 1 else sizes[0])
+        scenes = [sample_scene(rng) for _ in range(max(1, batch * SIZE * SIZE // (height * width)))]
+        x = render_batch(scenes, (height, width), device)
         w = shape_weights(scenes, x, fg_weight)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
             with torch.set_grad_enabled(not decoder_only):
@@ -221,19 +224,22 @@ def fit_vae(vae: Any, device: str, steps: int, batch: int, seed: int, seconds: f
             print(f"vae step {step}: loss {loss.item():.4f} ({time.time() - t0:.0f} s)", flush=True)
     vae.requires_grad_(True).eval()
     return {"vae_steps": done, "vae_batch": batch, "vae_loss": float(loss), "vae_seconds": time.time() - t0,
-            "vae_decoder_only": decoder_only, "vae_fg_weight": fg_weight}
+            "vae_decoder_only": decoder_only, "vae_fg_weight": fg_weight, "vae_sizes": list(sizes)}
 
 
 @torch.no_grad()
-def vae_report(vae: Any, device: str, scenes: list[Scene], set_factors: bool) -> dict[str, float]:
-    """Reconstruction figures on `scenes`: L1 on [-1, 1], and the scene checker's adherence of the reconstructions
-    (the ceiling of what a transformer drawing through this VAE can score). set_factors: the latents'
-    shift/scaling factors are set from these scenes (a new VAE)."""
+def vae_report(vae: Any, device: str, scenes: list[Scene], set_factors: bool,
+               size: str = f"{SIZE}x{SIZE}") -> dict[str, float]:
+    """Reconstruction figures on `scenes` drawn at `size`: L1 on [-1, 1], and the scene checker's adherence of the
+    reconstructions (the ceiling of what a transformer drawing through this VAE can score). set_factors: the
+    latents' shift/scaling factors are set from these scenes (a new VAE)."""
     from model.toy.checker import score_all
 
-    x = render_batch(scenes, SIZE, device)
-    z = torch.cat([vae.encode(x[i:i + 64]).latent_dist.mean for i in range(0, len(scenes), 64)])
-    rec = torch.cat([vae.decode(z[i:i + 64]).sample for i in range(0, len(scenes), 64)])
+    h, w = parse_size(size)
+    chunk = max(1, 64 * SIZE * SIZE // (h * w))
+    x = render_batch(scenes, (h, w), device)
+    z = torch.cat([vae.encode(x[i:i + chunk]).latent_dist.mean for i in range(0, len(scenes), chunk)])
+    rec = torch.cat([vae.decode(z[i:i + chunk]).sample for i in range(0, len(scenes), chunk)])
     out: dict[str, float] = {"vae_recon_l1": float((rec - x).abs().mean())}
     if set_factors:
         vae.register_to_config(shift_factor=z.mean().item(), scaling_factor=1.0 / z.std().item())
@@ -244,12 +250,16 @@ def vae_report(vae: Any, device: str, scenes: list[Scene], set_factors: bool) ->
 
 
 def train_vae(device: str, steps: int, batch: int, seed: int, seconds: float = float("inf"),
-              stats_scenes: int = 256, fg_weight: float = 8.0) -> tuple[Any, dict[str, float]]:
-    """A new VAE trained on fresh scenes, its latent shift/scaling factors set from their statistics."""
+              stats_scenes: int = 256, fg_weight: float = 8.0,
+              sizes: tuple[str, ...] = (f"{SIZE}x{SIZE}",)) -> tuple[Any, dict[str, Any]]:
+    """A new VAE trained on fresh scenes, its latent shift/scaling factors set from their statistics (at 256x256),
+    and its reconstructions reported at each size."""
     vae = new_vae(device)
-    report = fit_vae(vae, device, steps, batch, seed, seconds, fg_weight=fg_weight)
+    report = fit_vae(vae, device, steps, batch, seed, seconds, fg_weight=fg_weight, sizes=sizes)
     rng = random.Random(seed + 1000)
-    report.update(vae_report(vae, device, [sample_scene(rng) for _ in range(stats_scenes)], set_factors=True))
+    check = [sample_scene(rng) for _ in range(stats_scenes)]
+    report.update(vae_report(vae, device, check, set_factors=True))
+    report["vae_by_size"] = {size: vae_report(vae, device, check, set_factors=False, size=size) for size in sizes}
     return vae, report
 
 
@@ -486,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tune-decoder-seconds", type=float, default=0.0,
                     help="with --resume: first train the VAE decoder alone (encoder frozen: same latents) this long")
     ap.add_argument("--tune-decoder-lr", type=float, default=3e-4)
+    ap.add_argument("--tune-encoder", action="store_true",
+                    help="with --tune-decoder-seconds: the encoder trains too (new latents: train the transformer on)")
+    ap.add_argument("--vae-sizes", nargs="+", default=[f"{SIZE}x{SIZE}"],
+                    help="sizes ('WxH') the VAE (or its tuning) trains at; its report covers each")
     ap.add_argument("--scenes", type=int, default=TRAIN_SCENES)
     ap.add_argument("--transformer-seconds", type=float, default=270.0)
     ap.add_argument("--transformer-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
@@ -519,15 +533,20 @@ def main(argv: list[str] | None = None) -> int:
         report: dict[str, Any] = {"resumed_from": a.resume}
         if a.tune_decoder_seconds > 0:
             check = [sample_scene(random.Random(a.seed + 1000 + i)) for i in range(a.vae_stats_scenes)]
-            report["before_decoder_tuning"] = vae_report(vae, a.device, check, set_factors=False)
+
+            def by_size() -> dict[str, dict[str, float]]:
+                return {size: vae_report(vae, a.device, check, set_factors=False, size=size) for size in a.vae_sizes}
+
+            report["before_decoder_tuning"] = by_size()
             report.update(fit_vae(vae, a.device, a.vae_steps, a.vae_batch, a.seed + 4, a.tune_decoder_seconds,
-                                  decoder_only=True, fg_weight=a.vae_fg_weight, lr=a.tune_decoder_lr))
-            report.update(vae_report(vae, a.device, check, set_factors=False))
-            print(f"decoder tuned: {report}", flush=True)
+                                  decoder_only=not a.tune_encoder, fg_weight=a.vae_fg_weight, lr=a.tune_decoder_lr,
+                                  sizes=tuple(a.vae_sizes)))
+            report["vae_by_size"] = by_size()
+            print(f"VAE tuned: {report}", flush=True)
     else:
         text, start = build_text(a.device), None
         vae, report = train_vae(a.device, a.vae_steps, a.vae_batch, a.seed + 1, a.vae_seconds, a.vae_stats_scenes,
-                                a.vae_fg_weight)
+                                a.vae_fg_weight, tuple(a.vae_sizes))
         print(f"vae: {report}", flush=True)
     report["bf16_probes"] = probes
     trainee = Trainee(text)
