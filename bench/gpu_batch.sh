@@ -9,7 +9,8 @@
 # KREPEATS repeats), tests (the GPU tests; TEST_ARGS narrows them, e.g. one file), mutate (tests/mutate.py on the GPU:
 # MUTATE_MODULES against MUTATE_TESTS, the mutants named in the file MUTATE_ONLY, MUTATE_CHILDREN at once, into
 # $OUT/mut.tar.gz; mutmut among the wheels), toy (the toy preset trained on at every size for TOY_SECONDS, from
-# the shipped weights, then its adherence per size; the folder comes back as $OUT/toy.tar.gz). Packages the machine lacks can come as a tarball of a site folder
+# the shipped weights, its whole VAE first for TOY_VAE_SECONDS, then its adherence per size; the folder comes back
+# as $OUT/toy.tar.gz). Packages the machine lacks can come as a tarball of a site folder
 # (SITE_TAR, e.g. from a Ray Serve build) and a folder of wheels (WHEELS), installed into /tmp/site first.
 # A dry run of the load parts on a CPU: CONFIG=serve_config.yaml LSIZE=256x256 LWIDE=384x256 SECS=20.
 set -uo pipefail
@@ -72,7 +73,7 @@ for part in ${PARTS:-}; do
     kontext) need=240 ;;
     tests) need=${TESTS_NEED:-300} ;;
     mutate) need=200 ;;
-    toy) need=$(( ${TOY_SECONDS:-330} + 150 )) ;;
+    toy) need=$(( ${TOY_SECONDS:-330} + ${TOY_VAE_SECONDS:-0} + 150 )) ;;
     *) echo "unknown part $part"; continue ;;
   esac
   echo "=== $part ($(left) s left) $(date +%T)"
@@ -94,7 +95,8 @@ for part in ${PARTS:-}; do
             tar -czf "$OUT/mut.tar.gz" -C "$OUT" mut && rm -rf "$OUT/mut" ;;
     toy) python3 -m model.toy.train --resume model/toy/flux-toy --out /tmp/toy --report "$OUT/toy-train.json" \
            --transformer-seconds "${TOY_SECONDS:-330}" --batch 128 --precision fp32 --probe-weight 0.03 --lr 3e-4 \
-           --warmup 200 --tokens-per-size 4000000 \
+           --warmup 200 --tokens-per-size 4000000 --tune-decoder-seconds "${TOY_VAE_SECONDS:-0}" --tune-encoder \
+           --vae-sizes 256x256 384x384 512x512 768x768 1024x1024 1024x576 576x1024 1360x768 768x1360 \
          && tar -czf "$OUT/toy.tar.gz" -C /tmp toy \
          && timeout $(( $(left) - 5 )) python3 bench/toy_adherence.py --model /tmp/toy --device cuda --prompts 64 \
               --sizes 256x256 512x512 1024x1024 1360x768 --no-variants --out "$OUT/toy-adherence-gpu.json" ;;
