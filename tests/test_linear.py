@@ -294,6 +294,20 @@ def test_a_stacked_layer_computes_the_concatenation() -> None:
         L.Linear.from_linears([_linear(8, 4), _linear(8, 4, bias=False)])
 
 
+def test_a_stack_names_its_parts_keeps_the_style_asked_and_one_layer_is_not_copied() -> None:
+    """`names` give a stack its parts without dropping the parallel style it was asked for; a count that does not
+    match says so; a one-layer "stack" holds the source's own tensors (a conversion's peak memory is the model plus
+    one layer). Catches the style dropped on the named path, an unhelpful error, and a copy of every fused layer."""
+    parts = [_linear(8, n, seed=i) for i, n in enumerate((4, 6))]
+    named = L.Linear.from_linears(parts, parallel=L.Column(1, 2), names=("q", "v"))
+    assert named.parts == (("q", 4), ("v", 6)) and named.parallel == L.Column(1, 2)
+    assert torch.equal(named.weight, torch.cat([p.weight for p in parts])[L.Column(1, 2).index(10, "out")])
+    with pytest.raises(ValueError, match="^1 names for 2 stacked linears$"):
+        L.Linear.from_linears(parts, names=("q",))
+    one = L.Linear.from_linears(parts[:1])
+    assert one.weight.data_ptr() == parts[0].weight.data_ptr() and one.bias.data_ptr() == parts[0].bias.data_ptr()
+
+
 def test_column_shards_stack_into_the_block_sharded_stack(collectives) -> None:
     """Fusing q/k/v after sharding (a TP rank converts after it shards) holds what sharding the fused layer by its
     blocks holds: each rank its rows of each part. Other styles do not stack."""
