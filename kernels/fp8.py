@@ -114,6 +114,12 @@ def quantize_rows_eager(a: torch.Tensor, b: torch.Tensor | None = None,
     return to_fp8(x, x.abs().amax(dim=-1, keepdim=True))
 
 
+def _device_supported(device: torch.device) -> bool:
+    """Where the Triton passes and `torch._scaled_mm` run (elsewhere the eager twins); one check, as in the other
+    kernel modules."""
+    return device.type == "cuda"
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """[..., K] as [M, K] with a unit last stride (a view where the layout allows, else a copy)."""
     if t.stride(-1) != 1:
@@ -129,7 +135,7 @@ def quantize_rows(a: torch.Tensor, b: torch.Tensor | None = None,
     b2 = None if b is None else _rows(b)
     if b2 is not None and b2.shape[0] != a2.shape[0]:
         raise ValueError(f"quantize_rows: {tuple(a.shape)} and {tuple(b.shape)} have different leading shapes")
-    if (a2.device.type != "cuda" or a2.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+    if (not _device_supported(a2.device) or a2.dtype not in (torch.bfloat16, torch.float16, torch.float32)
             or torch.compiler.is_compiling()):  # Dynamo traces the twin (Inductor writes its pass), not a launcher
         return quantize_rows_eager(a2, b2, gelu_b)
     from . import _fp8_triton
@@ -152,7 +158,7 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     reading the weight once on CUDA, the eager twin elsewhere."""
     if x.shape[0] > WEIGHT_ONLY_ROWS:
         raise ValueError(f"weight_only_linear: {x.shape[0]} rows, at most {WEIGHT_ONLY_ROWS}")
-    if x.device.type != "cuda":
+    if not _device_supported(x.device):
         return weight_only_linear_eager(x, weight, weight_scale, bias)
     from . import _fp8_triton
 
@@ -224,6 +230,6 @@ def rows_matmul(q: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weig
     """fp8 rows [M, K] (scales [M, 1]) @ fp8 weight [N, K]^T (scales [1, N]) + bias -> bf16 [M, N] wherever the
     rows are: on CUDA `scaled_mm` with fast accumulation by row count (`fast_accumulation`), elsewhere the eager
     twin."""
-    if q.device.type != "cuda":
+    if not _device_supported(q.device):
         return scaled_mm_eager(q, weight, scale, weight_scale, bias)
     return scaled_mm(q, weight, scale, weight_scale, bias, fast_accumulation(q.shape[0]))
