@@ -81,6 +81,7 @@ def _norms(with_text: bool) -> tuple[nn.RMSNorm | None, nn.RMSNorm]:
 
 @pytest.mark.parametrize("with_text", [True, False])
 def test_rope_cat_hands_its_kernel_the_streams_and_tables(as_cuda, monkeypatch, with_text: bool) -> None:
+    """Catches a stream, a table or the gate's key dropped or swapped in the RoPE(+cat) call."""
     txt, img, cos, sin = _rope_operands(with_text)
     spy = Spy(lambda t, i, c, s: rope.rope_cat_eager(t, i, c, s))
     monkeypatch.setattr(_lossless_triton, "rope_cat", spy)
@@ -92,6 +93,8 @@ def test_rope_cat_hands_its_kernel_the_streams_and_tables(as_cuda, monkeypatch, 
 
 @pytest.mark.parametrize("with_text", [True, False])
 def test_rms_rope_cat_hands_its_kernels_weights_and_each_streams_eps(as_cuda, monkeypatch, with_text: bool) -> None:
+    """Catches the text norm's weight or eps read where there is no text, the two eps swapped, the
+    fast path taking the exact kernel (or both), and the fp8 flag not passed on."""
     txt, img, cos, sin = _rope_operands(with_text)
     norm_t, norm_i = _norms(with_text)
 
@@ -120,6 +123,7 @@ def test_rms_rope_cat_hands_its_kernels_weights_and_each_streams_eps(as_cuda, mo
 
 
 def test_rms_rope_fast_is_none_where_the_exact_kernel_would_not_run(as_cuda, monkeypatch) -> None:
+    """Catches the fast kernel launched on a layout the guard refuses."""
     txt, img, cos, sin = _rope_operands(True)
     norm_t, norm_i = _norms(True)
     spy = Spy(lambda *a, **k: pytest.fail("the fast kernel ran on a layout it does not take"))
@@ -135,6 +139,7 @@ def _mod_operands(dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, tor
 
 
 def test_modulate_hands_its_kernel_normed_scale_and_shift(as_cuda, monkeypatch) -> None:
+    """Catches scale and shift swapped or dropped in the modulate call."""
     x, scale, shift = _mod_operands()
     spy = Spy(modulate.modulate_eager)
     monkeypatch.setattr(_lossless_triton, "modulate", spy)
@@ -201,6 +206,8 @@ def fp8_as_cuda(monkeypatch) -> None:
 @pytest.mark.parametrize("gelu_b", [False, True])
 def test_quantize_rows_hands_its_pass_both_parts_as_rows_and_the_gelu_flag(fp8_as_cuda, monkeypatch,
                                                                            gelu_b: bool) -> None:
+    """Catches a part not made into unit-strided rows, the GELU flag lost, a device check on the wrong
+    tensor, and a dtype the pass does not take sent to it."""
     g = torch.Generator().manual_seed(3)
     a = torch.randn(2, 3, 16, generator=g).to(torch.bfloat16)
     b = torch.randn(2, 3, 32, 2, generator=g).to(torch.bfloat16)[..., 0]  # strided: made unit-strided rows first
@@ -223,6 +230,7 @@ def test_quantize_rows_hands_its_pass_both_parts_as_rows_and_the_gelu_flag(fp8_a
 
 def test_weight_only_linear_hands_its_gemv_bf16_rows_and_the_weight_with_its_scale_and_bias(fp8_as_cuda,
                                                                                             monkeypatch) -> None:
+    """Catches rows not cast to bf16, the scale or bias dropped, and the twin fed the wrong input."""
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, 16, generator=g)
     w, ws = fp8.to_fp8(torch.randn(32, 16, generator=g), torch.ones(32, 1))
@@ -242,6 +250,7 @@ def test_weight_only_linear_hands_its_gemv_bf16_rows_and_the_weight_with_its_sca
 
 @pytest.mark.parametrize("rows", [16, 128])
 def test_rows_matmul_takes_the_gemm_with_fast_accumulation_by_row_count(fp8_as_cuda, monkeypatch, rows: int) -> None:
+    """Catches the bias dropped, the fast-accumulation rule ignored, and the twin fed the wrong rows."""
     g = torch.Generator().manual_seed(5)
     q, s = fp8.quantize_rows_eager(torch.randn(rows, 16, generator=g))
     w, ws = fp8.to_fp8(torch.randn(32, 16, generator=g), torch.ones(32, 1))
@@ -318,6 +327,7 @@ def test_gelu_tanh_into_hands_its_pass_the_rows_of_the_input_and_of_the_slice(mo
 
 
 def test_the_fused_gemm_candidates_get_the_rows_the_weight_and_the_bias(monkeypatch) -> None:
+    """Catches the weight not transposed, the GELU epilogue off, or an operand dropped in a candidate."""
     x2d, w, b = torch.randn(6, 8), torch.randn(4, 8), torch.randn(4)
     seen = []
 
