@@ -6,7 +6,8 @@ sharded `model.linear.Linear` layers are not PEFT's to wrap. Here:
 
 - an adapter is read once by diffusers' own loader (`model.adapters.read_adapter`) and kept per served layer in
   that layer's form: its A rows [r, K] (and their fp8 copy beside an fp8 layer) and its B, scaled by PEFT's
-  `alpha / r`, transposed [r, N], each as this rank holds them (a stacked layer's part: its own output columns);
+  `alpha / r`, transposed [r, N], each as this rank holds them (a stacked layer's part: zero outside its own
+  output columns, so that composing copies whole rows);
 - before each batch, each image's adapters (with the request's scales) are composed into per-layer buffers of a
   fixed shape (`Side`: [rows, parts x rank, K] and [rows, parts x rank, N]; zero past what a row uses), a few
   multi-tensor copies, skipped when the batch's adapters are the previous batch's;
@@ -88,8 +89,9 @@ class _Term:
 
     part: int  # which part of a stacked layer (0 for a plain one)
     a: torch.Tensor  # [r, K_local]
-    bt: torch.Tensor  # [r, columns]: B scaled by alpha / r, transposed
-    columns: tuple[int, int]  # this rank's output columns of the part
+    # [r, N_local]: B scaled by alpha / r, transposed, zero outside the part's columns: a switch copies whole rows
+    # (contiguous, so the multi-tensor ops take their one-launch path on CUDA instead of one copy per block)
+    bt: torch.Tensor
     a8: torch.Tensor | None  # fp8 A [r, K_local] beside an fp8 layer, with its per-row scales [r]
     a8_scale: torch.Tensor | None
 
@@ -205,8 +207,9 @@ class AdapterSlots:
         if layer.quant.fp8:
             a8, scale = fp8_ops.to_fp8(a, a.abs().amax(dim=1, keepdim=True))
             a8_scale = scale.flatten()
-        return _Term(part, a.to(dtype), b.t().to(dtype).contiguous(), (int(local[0]), int(local[-1]) + 1),
-                     a8, a8_scale)
+        bt = torch.zeros(a.shape[0], layer.weight.shape[0], device=device, dtype=dtype)
+        bt.index_copy_(1, local.to(device), b.t().to(dtype))
+        return _Term(part, a.to(dtype), bt, a8, a8_scale)
 
     # -- batches ---------------------------------------------------------------------------------------------------
 
@@ -272,8 +275,7 @@ class AdapterSlots:
             side = self.layers[served].side
             for term in terms:
                 at = slice(term.part * self.rank + offset, term.part * self.rank + offset + term.a.shape[0])
-                c0, c1 = term.columns
-                dst += [side.a[row, at], side.bt[row, at, c0:c1]]
+                dst += [side.a[row, at], side.bt[row, at]]
                 src += [term.a, term.bt]
                 scaled.append(side.a[row, at])
                 if term.a8 is not None:
@@ -306,8 +308,21 @@ class AdapterSlots:
                 offset += self.adapters[name].rank
         with torch.no_grad():
             if self._written:
-                torch._foreach_zero_(self._written)
-            if dst:
-                torch._foreach_copy_(dst, src)
-                torch._foreach_mul_(scaled, scales)
+                torch._foreach_zero_(self._written)  # bytes of contiguous regions: one list, one dtype
+            # one list per dtype (bf16 A and B^T rows, fp8 A as bytes, fp32 fp8 scales): a list mixing dtypes takes
+            # the per-tensor path on CUDA
+            for group_dst, group_src in _by_dtype(dst, src).values():
+                torch._foreach_copy_(group_dst, group_src)
+            for group, group_scales in _by_dtype(scaled, scales).values():
+                torch._foreach_mul_(group, group_scales)
         self._written = written
+
+
+def _by_dtype(tensors: list[torch.Tensor], others: list) -> dict[torch.dtype, tuple[list[torch.Tensor], list]]:
+    """`tensors` and the entries of `others` beside them, split by the tensors' dtype (order kept in each group)."""
+    groups: dict[torch.dtype, tuple[list[torch.Tensor], list]] = {}
+    for t, o in zip(tensors, others):
+        group = groups.setdefault(t.dtype, ([], []))
+        group[0].append(t)
+        group[1].append(o)
+    return groups

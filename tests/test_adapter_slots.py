@@ -133,6 +133,35 @@ def test_switching_adapters_keeps_every_buffer_in_place() -> None:
     assert slots.rows == 3 and slots.version == version + 1 and model.qkv.side.a.shape[0] == 3
 
 
+def test_a_switch_is_a_few_multi_tensor_ops_over_contiguous_single_dtype_lists(monkeypatch) -> None:
+    """On CUDA a multi-tensor op takes its one-launch path only for lists of one dtype whose tensors are dense; a
+    stacked layer's B^T block as a strided column range, or one list mixing bf16, fp8 bytes and fp32 scales, falls
+    back to one kernel per tensor (a switch of FLUX.1-dev's layers: about a thousand launches). Catches either coming
+    back: every list a switch hands the foreach ops is one dtype of contiguous tensors, and it still draws right."""
+    model = _Parent()
+    model.proj = Linear.from_linears([nn.Linear(64, 32)]).to(torch.bfloat16).quantized(FP8)  # bf16, bytes, fp32
+    slots = AdapterSlots(model, rank=16, rows=2)
+    g = torch.Generator().manual_seed(4)
+    terms = {"to_q": (*_ab(g, 32, 48, 4), 1.0), "to_v": (*_ab(g, 32, 96, 8), 1.0), "out": (*_ab(g, 48, 32, 4), 1.0),
+             "proj": (*_ab(g, 64, 32, 4), 1.0)}
+    slots.add("ink", terms)
+    lists: list[list[torch.Tensor]] = []
+    for op in ("_foreach_zero_", "_foreach_copy_", "_foreach_mul_"):
+        real = getattr(torch, op)
+        monkeypatch.setattr(torch, op, lambda first, *rest, _real=real: (lists.append(list(first)), _real(first, *rest))[1])
+    slots.compose([(("ink", 0.5),)])
+    slots.compose([(("ink", 2.0),), (("ink", 1.0),)])
+    assert lists and all(len({t.dtype for t in group}) == 1 for group in lists)
+    assert all(t.is_contiguous() for group in lists for t in group)
+    assert {t.dtype for group in lists for t in group} >= {torch.float32, torch.bfloat16, torch.uint8}
+    x = torch.randn(2, 3, 32, generator=g)
+    with torch.no_grad():
+        got = model.qkv(x)
+    for row, scale in ((0, 2.0), (1, 1.0)):
+        want = _reference(x[row], model.src, {0: [(*terms["to_q"][:3], scale)], 2: [(*terms["to_v"][:3], scale)]})
+        torch.testing.assert_close(got[row].double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_switch_after_growing_or_reloading_a_name_composes_the_adapters_now_served(monkeypatch) -> None:
     """Switching reuses each (row, adapter)'s copy plan and zeroes only what the last batch wrote. Composing ink,
     then a larger batch (new buffers), then ink unloaded and another file loaded under its name: each batch's output
