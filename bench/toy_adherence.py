@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from kernels import switches  # noqa: E402
 from model.loading import load_pipeline  # noqa: E402
+from model.request import parse_size  # noqa: E402
 from model.toy.adherence import held_out_prompts, measure  # noqa: E402
-from model.toy.train import parse_size  # noqa: E402
 
 DEFAULT_STEPS = 16
 STEP_CACHE_THRESHOLDS = (0.05, 0.1, 0.2, 0.4)

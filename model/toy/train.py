@@ -28,6 +28,7 @@ bf16 backward failed with CUBLAS_STATUS_EXECUTION_FAILED; the probe records whic
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.request import parse_size
 from model.toy.scenes import BACKGROUNDS, KINDS, PLACES, SHAPE_COLOURS, SIZES, Scene, caption, render_batch, sample_scene
 
 SIZE = 256
@@ -263,25 +265,26 @@ def train_vae(device: str, steps: int, batch: int, seed: int, seconds: float = f
     return vae, report
 
 
-def parse_size(size: str) -> tuple[int, int]:
-    """'WxH' (OpenAI's order) -> (height, width)."""
-    w, h = (int(v) for v in size.split("x"))
-    return h, w
-
-
 def image_tokens(height: int, width: int) -> int:
     return (height // 16) * (width // 16)
 
 
-def shifted_sigmas(sigma: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Noise levels moved by the shift a FluxPipeline run at this size samples with (diffusers' own mu and shift
-    functions, from SCHEDULER), so training and sampling agree on what a noise level means at each size."""
+@functools.lru_cache(maxsize=None)
+def _size_shift(height: int, width: int) -> tuple[Any, float]:
+    """(a scheduler of SCHEDULER, the mu FluxPipeline computes at this size): made once per size, not per step."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
     mu = calculate_shift(image_tokens(height, width), SCHEDULER["base_image_seq_len"],
                          SCHEDULER["max_image_seq_len"], SCHEDULER["base_shift"], SCHEDULER["max_shift"])
-    return FlowMatchEulerDiscreteScheduler(**SCHEDULER).time_shift(mu, 1.0, sigma)
+    return FlowMatchEulerDiscreteScheduler(**SCHEDULER), mu
+
+
+def shifted_sigmas(sigma: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Noise levels moved by the shift a FluxPipeline run at this size samples with (diffusers' own mu and shift
+    functions, from SCHEDULER), so training and sampling agree on what a noise level means at each size."""
+    scheduler, mu = _size_shift(height, width)
+    return scheduler.time_shift(mu, 1.0, sigma)
 
 
 @torch.no_grad()
