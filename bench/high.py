@@ -256,9 +256,9 @@ def lossless_step_fn(pipe: FluxServePipeline, inputs: dict[str, Any], calls: int
     return call
 
 
-def time_outside_transformer(transformer: torch.nn.Module, fn: Callable[[], Any]) -> tuple[float, float]:
-    """(seconds of one call of `fn`, seconds of it spent outside `transformer`'s forwards): each forward is bracketed
-    by a device synchronize, so the call runs a little slower than untimed; the outside share is what it measures."""
+def time_outside_transformer(transformer: torch.nn.Module, fn: Callable[[], Any]) -> float:
+    """Seconds of one call of `fn` spent outside `transformer`'s forwards: each forward is bracketed by a device
+    synchronize, so the call runs a little slower than untimed; the outside time is what it measures."""
     inside = [0.0]
     start = [0.0]
 
@@ -276,7 +276,7 @@ def time_outside_transformer(transformer: torch.nn.Module, fn: Callable[[], Any]
     finally:
         for h in hooks:
             h.remove()
-    return total, total - inside[0]
+    return total - inside[0]
 
 
 def time_steps(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, dict[str, float]]:
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                     times[name].append(t)
         e2e = {k: statistics.median(v) for k, v in times.items()}
         print(f"  e2e {args.e2e_steps} steps: {e2e}", flush=True)
-        outside = [time_outside_transformer(variants[high_name].transformer, fns["high"])[1]
+        outside = [time_outside_transformer(variants[high_name].transformer, fns["high"])
                    for _ in range(args.e2e_repeats)]
         outside_s = statistics.median(outside)
 
