@@ -8,7 +8,8 @@
 # max_batch_size 2 / 1, SECS seconds of load), slots (bench/lora_slots.py), kontext (bench/e2e.py on FLUX.1 Kontext,
 # KREPEATS repeats), tests (the GPU tests; TEST_ARGS narrows them, e.g. one file), mutate (tests/mutate.py on the GPU:
 # MUTATE_MODULES against MUTATE_TESTS, the mutants named in the file MUTATE_ONLY, MUTATE_CHILDREN at once, into
-# $OUT/mut.tar.gz; mutmut among the wheels), toy (the toy preset trained on at every size for TOY_SECONDS, from
+# $OUT/mut.tar.gz; mutmut among the wheels), perf (bench/high.py: the served high form against diffusers and
+# lossless at 1024x1024, 28 steps, PERF_ARGS added), toy (the toy preset trained on at every size for TOY_SECONDS, from
 # the shipped weights, its whole VAE first for TOY_VAE_SECONDS, then its adherence per size; the folder comes back
 # as $OUT/toy.tar.gz). Packages the machine lacks can come as a tarball of a site folder
 # (SITE_TAR, e.g. from a Ray Serve build) and a folder of wheels (WHEELS), installed into /tmp/site first.
@@ -66,10 +67,12 @@ load() {  # $1 = max_batch_size
   kill -9 $pid 2>/dev/null; pkill -9 -f "ray::"; pkill -9 -f raylet; pkill -9 -f gcs_server; sleep 2
 }
 
+SERVED_HIGH=$(python3 -c "from bench.high import SERVED_HIGH; print(SERVED_HIGH)" 2>/dev/null)
 for part in ${PARTS:-}; do
   case $part in
     load2|load1) need=$(( SECS + 130 )) ;;
     slots) need=240 ;;
+    perf) need=240 ;;
     kontext) need=240 ;;
     tests) need=${TESTS_NEED:-300} ;;
     mutate) need=200 ;;
@@ -81,7 +84,9 @@ for part in ${PARTS:-}; do
   case $part in
     load2) load 2 ;;
     load1) load 1 ;;
-    slots) timeout $(( $(left) - 5 )) python3 bench/lora_slots.py --out "$OUT/lora-slots.json" ;;
+    slots) timeout $(( $(left) - 5 )) python3 bench/lora_slots.py ${SLOTS_ARGS:-} --out "$OUT/lora-slots.json" ;;
+    perf) timeout $(( $(left) - 5 )) python3 bench/high.py --only "$SERVED_HIGH" --steps 28 --e2e-steps 28 \
+            --batches 1 --in-batch 0 --repeats 7 --e2e-repeats 3 ${PERF_ARGS:-} --out "$OUT/perf.json" ;;
     kontext) timeout $(( $(left) - 5 )) python3 bench/e2e.py --model flux-kontext-random --edit --high-default \
                --cuda-graphs --steps 28 --repeats ${KREPEATS:-3} --out "$OUT/e2e-kontext.json" ;;
     tests) timeout $(( $(left) - 5 )) python3 -m pytest -q -p no:cacheprovider -m gpu ${TEST_ARGS:-tests/} -rfEs \
