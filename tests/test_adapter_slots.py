@@ -162,6 +162,47 @@ def test_a_switch_is_a_few_multi_tensor_ops_over_contiguous_single_dtype_lists(m
         torch.testing.assert_close(got[row].double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_switch_back_reuses_the_copy_plans_made_the_first_time() -> None:
+    """Where each adapter goes in a row is worked out once (a few views per served layer) and kept: switching to
+    another adapter and back reuses the first plan. Catches plans rebuilt on every switch (host time per switch
+    growing with the layer count)."""
+    model = _Parent()
+    slots = AdapterSlots(model, rank=16, rows=1)
+    g = torch.Generator().manual_seed(6)
+    slots.add("ink", {"to_q": (*_ab(g, 32, 48, 4), 1.0)})
+    slots.add("fog", {"to_v": (*_ab(g, 32, 96, 4), 1.0)})
+    slots.compose([(("ink", 1.0),)])
+    first = slots._plans[(0, 0, "ink")]
+    assert isinstance(first, adapter_slots._Plan) and first.dst
+    slots.compose([(("fog", 1.0),)])
+    slots.compose([(("ink", 0.5),)])
+    assert slots._plans[(0, 0, "ink")] is first and set(slots._plans) == {(0, 0, "ink"), (0, 0, "fog")}
+
+
+def test_a_bf16_layers_adapters_are_kept_in_bf16_and_still_draw_right() -> None:
+    """On a bf16 model each adapter's A and B^T are stored in bf16 (half the memory of fp32 copies; the buffers
+    they are copied into are bf16 too), scaled in fp32 before their one rounding. Catches terms kept in fp32 or
+    made in the default dtype."""
+    model = _Parent().to(torch.bfloat16)
+    model.src = [lin.to(torch.bfloat16) for lin in model.src]
+    slots = AdapterSlots(model, rank=16, rows=1)
+    g = torch.Generator().manual_seed(8)
+    a, b = _ab(g, 32, 48, 4)
+    slots.add("ink", {"to_q": (a.to(torch.bfloat16), b.to(torch.bfloat16), 0.75)})
+    (term,) = slots.adapters["ink"].terms["qkv"]
+    assert term.a.dtype == term.bt.dtype == torch.bfloat16 == model.qkv.side.a.dtype == model.qkv.side.bt.dtype
+    # B^T rows: B (bf16) times 0.75 rounded once to bf16, zero outside to_q's columns
+    torch.testing.assert_close(term.bt[:, :48], (b.to(torch.bfloat16).float() * 0.75).to(torch.bfloat16).t(),
+                               rtol=0, atol=0)
+    assert not torch.count_nonzero(term.bt[:, 48:])
+    slots.compose([(("ink", 1.0),)])
+    x = torch.randn(1, 3, 32, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        got = model.qkv(x)[0]
+    want = _reference(x[0], model.src, {0: [(a.to(torch.bfloat16), b.to(torch.bfloat16), 0.75, 1.0)]})
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
 def test_a_switch_after_growing_or_reloading_a_name_composes_the_adapters_now_served(monkeypatch) -> None:
     """Switching reuses each (row, adapter)'s copy plan and zeroes only what the last batch wrote. Composing ink,
     then a larger batch (new buffers), then ink unloaded and another file loaded under its name: each batch's output
