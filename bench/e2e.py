@@ -59,7 +59,7 @@ def sdpa_backend(batch: int, heads: int, tokens: int, head_dim: int, dtype: torc
 
 def edit_image(size: int, seed: int) -> bytes:
     """A smooth seeded size x size picture (low-frequency colour fields, PNG bytes) as an edit's input."""
-    from model.request import png_bytes
+    from model.png import png_bytes
     from PIL import Image
 
     g = torch.Generator().manual_seed(seed)

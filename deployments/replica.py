@@ -28,7 +28,8 @@ from deployments.errors import BadRequest, GenerationFailed, OutOfMemory, PoolUn
 from model import faults
 from model.pipeline import GenerationCancelled
 from model.preview import PreviewSink, preview_steps
-from model.request import GenerationRequest, png_bytes
+from model.png import result_png
+from model.request import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -160,7 +161,7 @@ class PoolReplica:
         call returned: the next batch gathers and denoises meanwhile."""
         image = result.pop("image", None)
         if result["png"] is None:
-            result["png"] = await asyncio.to_thread(png_bytes, image)
+            result["png"] = await asyncio.to_thread(result_png, image, result["quality"])
         return result
 
     async def sync_adapters(self, wanted: dict[str, str]) -> list[str]:

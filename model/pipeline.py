@@ -21,7 +21,8 @@ from model.family import family_of
 from model.features import HIGH_DEFAULTS, feature
 from model.form import BATCH_DEFAULTS, ServingForm
 from model.preview import PreviewSink, previewer_of
-from model.request import GenerationRequest, Quality, decode_image, decode_mask, png_bytes, validate_batch
+from model.png import result_png
+from model.request import GenerationRequest, Quality, decode_image, decode_mask, validate_batch
 from model.tiers import Ran, TierPlan, applied_tier, plan_tier
 
 if TYPE_CHECKING:  # torch is imported lazily: the ingress imports the request types without needing torch
@@ -48,7 +49,7 @@ def encode_pngs(results: list[GenerationResult]) -> list[GenerationResult]:
     pipeline, so the next batch denoises meanwhile. The bytes are what generate() would have made."""
     for r in results:
         if r.png is None:
-            r.png, r.image = png_bytes(r.image), None
+            r.png, r.image = result_png(r.image, r.quality), None
     return results
 
 
@@ -170,7 +171,8 @@ def run_flux_pipeline(pipe: Any, requests: list[GenerationRequest], progress: bo
     ).images
     latents = pipe._unpack_latents(final["latents"], first.height, first.width, pipe.vae_scale_factor)
     latents = latents.cpu()
-    return [latents[i].clone() for i in range(len(requests))], [png_bytes(im) if encode else im for im in images]
+    pngs = [result_png(im, first.quality) if encode else im for im in images]
+    return [latents[i].clone() for i in range(len(requests))], pngs
 
 
 def _warm_batches(sizes: list[tuple[int, int]], batch_sizes: list[int] | tuple[int, ...], steps: int,

@@ -106,7 +106,7 @@ class LatentPreviewer:
         import torch
         from PIL import Image
 
-        from model.request import png_bytes
+        from model.png import png_bytes
 
         with torch.no_grad():
             x = packed.float()

@@ -231,10 +231,3 @@ def decode_mask(data: bytes, max_pixels: int = MAX_INPUT_PIXELS) -> "PIL.Image.I
             return im.convert("RGB")
         alpha = im.convert("RGBA").getchannel("A")
     return alpha.point(lambda a: 255 if a == 0 else 0).convert("RGB")
-
-
-def png_bytes(image: "PIL.Image.Image") -> bytes:
-    """PNG encoding of a PIL image with no metadata (no time, no text chunks): equal pixels give equal bytes."""
-    buf = io.BytesIO()
-    image.save(buf, format="PNG", compress_level=6)
-    return buf.getvalue()

@@ -39,6 +39,7 @@ MODULES: dict[str, list[str]] = {
     "deployments/files.py": ["tests/test_files.py"],
     "deployments/engine.py": ["tests/test_engine.py", "tests/test_compile.py"],
     "deployments/replica.py": ["tests/test_replica.py", "tests/test_engine.py"],
+    "model/png.py": ["tests/test_png.py"],
     "model/preview.py": ["tests/test_preview.py",
                          "tests/test_pipeline.py::test_previews_leave_the_image_unchanged_and_come_after_their_steps",
                          "tests/test_pipeline.py::test_preview_steps_spread_and_bounds",

@@ -145,7 +145,8 @@ def test_an_alpha_mask_follows_openais_rule_and_one_without_alpha_the_inpainting
     an alpha channel (RGBA, LA, or a palette with a transparent entry) is read by OpenAI's rule, any other by the
     inpainting rule; both give the same white-where-repainted mask. Catches an RGBA mask made for OpenAI silently
     repainting the wrong region (its RGB is often black or the photo itself)."""
-    from model.request import decode_mask, png_bytes as png
+    from model.png import png_bytes as png
+    from model.request import decode_mask
 
     hole = np.zeros((64, 64), dtype=bool)
     hole[16:48, 8:40] = True  # the region to repaint

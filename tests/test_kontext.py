@@ -217,7 +217,7 @@ def test_gpu_kontext_lossless_equals_stock_and_high_runs_the_served_set(kontext_
     packed = stock(**user, generator=torch.Generator().manual_seed(11), output_type="latent").images
     pil = stock(**user, generator=torch.Generator().manual_seed(11)).images[0]
     assert torch.equal(got.latents, FluxPipeline._unpack_latents(packed, 128, 128, 8)[0].cpu())
-    from model.request import png_bytes
+    from model.png import png_bytes
 
     assert md5(got.png) == md5(png_bytes(pil))
     del stock

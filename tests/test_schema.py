@@ -233,7 +233,7 @@ def test_encode_image_keeps_png_bytes_and_reencodes_lossy_formats() -> None:
     from PIL import Image
 
     from deployments.schema import encode_image
-    from model.pipeline import png_bytes
+    from model.png import png_bytes
 
     rgb = (np.arange(64 * 48 * 3) % 251).astype(np.uint8).reshape(48, 64, 3)
     png = png_bytes(Image.fromarray(rgb))

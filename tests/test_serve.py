@@ -1232,7 +1232,8 @@ def test_a_request_picks_a_lora_by_name_byte_identical_to_stock_diffusers(lora_a
     import torch
     from diffusers import FluxPipeline
 
-    from model.pipeline import GenerationRequest, max_sequence_length, png_bytes, request_generators
+    from model.pipeline import GenerationRequest, max_sequence_length, request_generators
+    from model.png import png_bytes
 
     client = openai.OpenAI(base_url=lora_app["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
     body = {"seed": 3, "steps": 2, "quality": "lossless"}
@@ -1691,7 +1692,8 @@ def test_openai_client_json_edit_alpha_mask_style_and_safety_identifier(serve_ap
     import numpy as np
     from PIL import Image
 
-    from model.pipeline import GenerationRequest, png_bytes
+    from model.pipeline import GenerationRequest
+    from model.png import png_bytes
     from tests._inputs import random_png
 
     image = random_png(5)
