@@ -10,9 +10,11 @@
 # MUTATE_MODULES against MUTATE_TESTS, the mutants named in the file MUTATE_ONLY, MUTATE_CHILDREN at once, into
 # $OUT/mut.tar.gz; mutmut among the wheels), perf (bench/high.py: the served high form against diffusers and
 # lossless at 1024x1024, 28 steps, PERF_ARGS added), toy (the toy preset trained on at every size for TOY_SECONDS, from
-# the shipped weights, its whole VAE first for TOY_VAE_SECONDS, then its adherence per size; the folder comes back
-# as $OUT/toy.tar.gz). Packages the machine lacks can come as a tarball of a site folder
-# (SITE_TAR, e.g. from a Ray Serve build) and a folder of wheels (WHEELS), installed into /tmp/site first.
+# the shipped weights or the folder TOY_RESUME (an earlier call's toy.tar.gz, unpacked and carried), at TOY_SIZES,
+# its whole VAE first for TOY_VAE_SECONDS (TOY_VAE_FLAGS="" tunes the decoder only), then its adherence at
+# TOY_ADHERE_SIZES; the folder comes back as $OUT/toy.tar.gz). Packages the machine lacks can come as a tarball of
+# a site folder (SITE_TAR, e.g. from a Ray Serve build) and a folder of wheels (WHEELS), installed into /tmp/site
+# first.
 # A dry run of the load parts on a CPU: CONFIG=serve_config.yaml LSIZE=256x256 LWIDE=384x256 SECS=20.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +69,7 @@ load() {  # $1 = max_batch_size
   kill -9 $pid 2>/dev/null; pkill -9 -f "ray::"; pkill -9 -f raylet; pkill -9 -f gcs_server; sleep 2
 }
 
+TOY_ALL="256x256 384x384 512x512 768x768 1024x1024 1024x576 576x1024 1360x768 768x1360"
 SERVED_HIGH=$(python3 -c "from bench.high import SERVED_HIGH; print(SERVED_HIGH)" 2>/dev/null)
 for part in ${PARTS:-}; do
   case $part in
@@ -98,13 +101,16 @@ for part in ${PARTS:-}; do
               --max-children "${MUTATE_CHILDREN:-12}" --seconds $(( $(left) - 70 )) $MUTATE_MODULES \
               --tests $MUTATE_TESTS --only $(cat "$MUTATE_ONLY")
             tar -czf "$OUT/mut.tar.gz" -C "$OUT" mut && rm -rf "$OUT/mut" ;;
-    toy) python3 -m model.toy.train --resume model/toy/flux-toy --out /tmp/toy --report "$OUT/toy-train.json" \
-           --transformer-seconds "${TOY_SECONDS:-330}" --batch 128 --precision fp32 --probe-weight 0.03 --lr 3e-4 \
-           --warmup 200 --tokens-per-size 4000000 --tune-decoder-seconds "${TOY_VAE_SECONDS:-0}" --tune-encoder \
-           --vae-sizes 256x256 384x384 512x512 768x768 1024x1024 1024x576 576x1024 1360x768 768x1360 \
+    toy) # shellcheck disable=SC2086  # size lists
+         python3 -m model.toy.train --resume "${TOY_RESUME:-model/toy/flux-toy}" --out /tmp/toy \
+           --report "$OUT/toy-train.json" --transformer-seconds "${TOY_SECONDS:-330}" --batch 128 --precision fp32 \
+           --probe-weight 0.03 --lr "${TOY_LR:-3e-4}" --warmup 200 --tokens-per-size 4000000 \
+           --tune-decoder-seconds "${TOY_VAE_SECONDS:-0}" ${TOY_VAE_FLAGS---tune-encoder} \
+           --sizes ${TOY_SIZES:-$TOY_ALL} --vae-sizes ${TOY_SIZES:-$TOY_ALL} \
          && tar -czf "$OUT/toy.tar.gz" -C /tmp toy \
          && timeout $(( $(left) - 5 )) python3 bench/toy_adherence.py --model /tmp/toy --device cuda --prompts 64 \
-              --sizes 256x256 512x512 1024x1024 1360x768 --no-variants --out "$OUT/toy-adherence-gpu.json" ;;
+              --sizes ${TOY_ADHERE_SIZES:-256x256 512x512 1024x1024 1360x768} --no-variants \
+              --out "$OUT/toy-adherence-gpu.json" ;;
   esac
   echo "=== $part done $(date +%T)"
 done
