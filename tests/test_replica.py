@@ -269,7 +269,7 @@ class _SlowImage:
         self.replica, self.engine, self.seed = replica, engine, seed
         self.seen: dict[str, Any] = {}
 
-    def save(self, buf: Any, format: str, compress_level: int) -> None:
+    def save(self, buf: Any, format: str, **options: Any) -> None:
         import time
 
         self.seen["locked"] = self.replica._busy.locked()
@@ -312,6 +312,21 @@ def test_pngs_are_encoded_after_the_batch_call_so_the_next_batch_runs_meanwhile(
     assert [im.seen["locked"] for im in images] == [False, False]  # never while holding the pipeline
     assert images[0].seen["batches_meanwhile"] == 1  # the second batch ran while the first encoded
     assert not engine.overlapped  # and still one pipeline call at a time
+
+
+def test_finish_encodes_each_result_as_its_tier_writes_pngs() -> None:
+    """A pending image is encoded by its result's tier: Pillow's bytes for `lossless`, the parallel writer's (same
+    pixels) for `high` (model/png.py). Catches the replica encoding every tier one way."""
+    import numpy as np
+    from PIL import Image
+
+    from model.png import parallel_png, png_bytes
+
+    replica, _ = _replica("high")
+    pixels = (np.arange(48 * 40 * 3) % 253).astype(np.uint8).reshape(48, 40, 3)
+    for quality, want in (("lossless", png_bytes(Image.fromarray(pixels))), ("high", parallel_png(pixels))):
+        done = asyncio.run(replica.finish({"png": None, "image": Image.fromarray(pixels), "quality": quality}))
+        assert done["png"] == want and "image" not in done, quality
 
 
 class _SlotEngine(_Engine):
