@@ -256,27 +256,58 @@ def lossless_step_fn(pipe: FluxServePipeline, inputs: dict[str, Any], calls: int
     return call
 
 
-def time_outside_transformer(transformer: torch.nn.Module, fn: Callable[[], Any]) -> float:
-    """Seconds of one call of `fn` spent outside `transformer`'s forwards: each forward is bracketed by a device
-    synchronize, so the call runs a little slower than untimed; the outside time is what it measures."""
-    inside = [0.0]
-    start = [0.0]
+def time_outside_transformer(pipe: FluxServePipeline, fn: Callable[[], Any]) -> tuple[float, dict[str, float]]:
+    """Seconds of one call of `fn` spent outside `pipe`'s transformer forwards, and how much of that went to the
+    text encoders, the VAE decode and the PNG encoding (`rest`: everything else: latents, scheduler, host copies).
+    Each timed region is bracketed by a device synchronize, so the call runs a little slower than untimed."""
+    import model.pipeline as pipeline_module
 
-    def pre(*_: Any) -> None:
-        _sync()
-        start[0] = time.perf_counter()
+    inside: dict[str, float] = defaultdict(float)
+    start: dict[str, float] = {}
 
-    def post(*_: Any) -> None:
-        _sync()
-        inside[0] += time.perf_counter() - start[0]
+    def pre(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            _sync()
+            start[name] = time.perf_counter()
+        return hook
 
-    hooks = [transformer.register_forward_pre_hook(pre), transformer.register_forward_hook(post)]
+    def post(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            _sync()
+            inside[name] += time.perf_counter() - start[name]
+        return hook
+
+    def timed_call(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            pre(name)()
+            try:
+                return call(*a, **k)
+            finally:
+                post(name)()
+        return wrapper
+
+    inner = pipe.pipe
+    modules = [("transformer", pipe.transformer), ("text_encoders", inner.text_encoder),
+               ("text_encoders", inner.text_encoder_2)]
+    hooks = [h for name, m in modules if m is not None
+             for h in (m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name)))]
+    vae_decode, png, own = inner.vae.decode, pipeline_module.result_png, vars(inner.vae).get("decode")
+    inner.vae.decode = timed_call("vae_decode", vae_decode)
+    pipeline_module.result_png = timed_call("png", png)
     try:
         total, _ = timed(fn)
     finally:
         for h in hooks:
             h.remove()
-    return total - inside[0]
+        if own is None:
+            del inner.vae.decode  # the instance attribute: the class's method again
+        else:
+            inner.vae.decode = own
+        pipeline_module.result_png = png
+    outside = total - inside.pop("transformer", 0.0)
+    parts = {k: inside.get(k, 0.0) for k in ("text_encoders", "vae_decode", "png")}
+    parts["rest"] = outside - sum(parts.values())
+    return outside, parts
 
 
 def time_steps(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, dict[str, float]]:
@@ -456,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
 
     high_name = args.high_set if args.high_set in variants else None
     e2e: dict[str, Any] = {}
-    outside_s = None
+    outside_s, outside_parts = None, {}
     if high_name is not None:
         ours.enable_cuda_graphs()  # for lossless_graphs; the other calls name cuda_graphs=False
         fns = {
@@ -480,9 +511,9 @@ def main(argv: list[str] | None = None) -> int:
                     times[name].append(t)
         e2e = {k: statistics.median(v) for k, v in times.items()}
         print(f"  e2e {args.e2e_steps} steps: {e2e}", flush=True)
-        outside = [time_outside_transformer(variants[high_name].transformer, fns["high"])
-                   for _ in range(args.e2e_repeats)]
-        outside_s = statistics.median(outside)
+        outside = [time_outside_transformer(variants[high_name], fns["high"]) for _ in range(args.e2e_repeats)]
+        outside_s = statistics.median(o for o, _ in outside)
+        outside_parts = {k: statistics.median(parts[k] for _, parts in outside) for k in outside[0][1]}
 
     profile: dict[str, float] = {}
     profile_lossless: dict[str, float] = {}
@@ -562,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile_high_step_ms_by_family": profile,
         "profile_lossless_step_ms_by_family": profile_lossless,
         "outside_transformer_s": outside_s,
+        "outside_transformer_parts_s": outside_parts,
         "errors": errors,
         "repeats": args.repeats, "warmup": args.warmup, "e2e_repeats": args.e2e_repeats,
         "command": command,
@@ -674,6 +706,9 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
     lines += ["Summary (batch 1; end to end as the pools serve, lossless graphed):", "", "| key | value |", "|---|---|"]
     lines += [f"| `{k}` | {f(r.get(k), '.3f')} |" for k in perf_summary(r)]
     lines.append("")
+    if r.get("outside_transformer_parts_s"):
+        lines += ["Outside the transformer, one `high` image (s): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in r["outside_transformer_parts_s"].items()) + ".", ""]
     profiles = {"high set": r["profile_high_step_ms_by_family"], "lossless": r.get("profile_lossless_step_ms_by_family")}
     if any(profiles.values()):
         families = list(dict.fromkeys(k for p in profiles.values() if p for k in p))
