@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -26,19 +27,14 @@ from model import png  # noqa: E402
 
 
 def pictures(size: tuple[int, int]) -> dict[str, np.ndarray]:
-    import torch
-
-    from model.toy.scenes import render_batch, sample_scene
+    from model.toy.scenes import render, sample_scene
 
     h, w = size
     rng = np.random.default_rng(0)
     field = np.cumsum(rng.normal(size=(h, w, 3)), axis=1)
     smooth = ((field - field.min()) / (field.max() - field.min()) * 255).astype(np.uint8)
     noisy = np.clip(smooth.astype(np.int16) + rng.integers(-24, 25, smooth.shape), 0, 255).astype(np.uint8)
-    import random
-
-    x = render_batch([sample_scene(random.Random(1))], (h, w), "cpu")[0]
-    toy = ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    toy = render(sample_scene(random.Random(1)), (h, w)).numpy()
     return {"smooth": smooth, "toy scene": np.ascontiguousarray(toy), "noise over gradients": noisy}
 
 
