@@ -11,6 +11,8 @@ high form. Each repeat interleaves, after a warm-up that captures every graph (m
               projections)
   one4        high, batch 4, the same adapter on every image
   mixed4      high, batch 4, four different adapters, one per image
+Then, unless --no-compare-beside, base and lora again with every adapter added after its layer's GEMM (the form an
+adapter too strong for fp8 columns beside the weight takes) instead of inside the fp8 GEMMs.
 Also: switching adapters between batches (composing another set into the buffers, synchronized), and the graph
 captures during the timed repeats (0: switching adapters replays the captured steps). Random weights: speed is what
 this measures; the images mean nothing.
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slot-rank", type=int, default=16, help="adapter_rank: the rank one image may use")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--no-compare-beside", dest="compare_beside", action="store_false",
+                    help="skip timing the adapters added after each GEMM instead of inside the fp8 GEMMs")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -125,6 +129,18 @@ def main(argv: list[str] | None = None) -> int:
     switch_s = []
     for i in range(10):
         switch_s.append(timed(lambda: switch([((names[i % 4], 1.0),)]))[0])
+    inside = sum(layer.side is not None and layer.side.wide for layer in slots.layers.values())
+    beside = sum(layer.side is not None and not layer.side.wide for layer in slots.layers.values())
+    if args.compare_beside:  # the same adapters added after each GEMM (the form too strong an adapter takes)
+        slots.move_beside()
+        beside_variants = {"base_beside": variants["base"], "lora_beside": variants["lora"]}
+        for batch in beside_variants.values():
+            pipe.generate(batch)
+        times.update({k: [] for k in beside_variants})
+        for i in range(args.repeats):
+            for name, batch in beside_variants.items():
+                t, last[name] = timed(lambda: pipe.generate(batch))
+                times[name].append(t)
     med = {k: statistics.median(v) for k, v in times.items()}
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     report = {
@@ -134,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": med, "seconds_all": times,
         "lora_overhead_high_pct": round(100 * (med["lora"] / med["base"] - 1), 2),
         "lora_overhead_lossless_pct": round(100 * (med["lossless_lora"] / med["lossless"] - 1), 2),
+        "adapter_layers": {"inside_gemm": inside, "beside_gemm": beside},
+        "lora_overhead_high_beside_pct": (round(100 * (med["lora_beside"] / med["base_beside"] - 1), 2)
+                                          if "lora_beside" in med else None),
+        "psnr_high_lora_inside_vs_beside_db": (_db(psnr(last["lora"][0].png, last["lora_beside"][0].png))
+                                               if "lora_beside" in last else None),
         "lossless_lora_graphed_png_equal_eager": lossless_equal,
         # the same adapter, request and seed: high with slots against lossless with PEFT (random weights: weak)
         "psnr_high_lora_vs_lossless_lora_db": _db(psnr(last["lora"][0].png, eager.png)),
@@ -148,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("gpu", "seconds", "lora_overhead_high_pct", "lora_overhead_lossless_pct",
+                                             "lora_overhead_high_beside_pct", "adapter_layers",
                                              "lossless_lora_graphed_png_equal_eager",
                                              "psnr_high_lora_vs_lossless_lora_db", "mixed_batch_ratio",
                                              "adapter_switch_ms", "captures_during_timed_runs")}, indent=2))

@@ -11,6 +11,7 @@ import triton.language as tl
 from ._high_triton import fp8_saturate, ln_modulate_row
 from ._lossless_triton import _GELU_BETA, _GELU_KAPPA, _interpreting, libdevice
 from .cache import autotune
+from .fp8 import with_spare
 
 _FP8_MAX = 448.0
 _MIN_AMAX = 1e-12
@@ -121,23 +122,24 @@ _quant_rows_tuned = autotune(_CONFIGS, key=["KA", "KB", "GELU_B", "HAS_B", "GELU
 
 
 def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool, gelu_from_max: bool = True,
-                  exp_tanh: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """a [M, Ka], b [M, Kb] or None (unit last strides) -> fp8 [M, Ka + Kb], fp32 scale [M, 1].
+                  exp_tanh: bool = True, spare: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [M, Ka], b [M, Kb] or None (unit last strides) -> fp8 [M, Ka + Kb] (rows `spare` columns longer, those
+    unwritten), fp32 scale [M, 1].
     gelu_from_max=False: the amax pass applies the GELU per element; exp_tanh=False: the GELU's tanh from libdevice
     (the earlier kernels; benchmarks compare)."""
     M, KA = a.shape
     KB = 0 if b is None else b.shape[1]
     interpret = _interpreting()
-    q = torch.empty((M, KA + KB), dtype=torch.float32 if interpret else torch.float8_e4m3fn, device=a.device)
+    q = with_spare(M, KA + KB, spare, a.device, torch.float32 if interpret else torch.float8_e4m3fn)
     scale = torch.empty((M, 1), dtype=torch.float32, device=a.device)
     if M == 0:
-        return q.to(torch.float8_e4m3fn), scale
+        return _interpreted(q), scale
     args = (a, a if b is None else b, q, scale, M, KA, KB, a.stride(0), 0 if b is None else b.stride(0), q.stride(0))
     meta = dict(GELU_B=bool(gelu_b), HAS_B=b is not None, BETA=_GELU_BETA, KAPPA=_GELU_KAPPA, INTERPRET=interpret,
                 GELU_FROM_MAX=bool(gelu_from_max), EXP_TANH=bool(exp_tanh))
     if interpret:  # no timing in the interpreter: two rows per program, blocks small enough to wrap
         _quant_rows_kernel[(triton.cdiv(M, 2),)](*args, ROWS=2, BLOCK=1024, **meta)
-        return q.to(torch.float8_e4m3fn), scale
+        return _interpreted(q), scale
     _quant_rows_tuned[lambda m: (triton.cdiv(M, m["ROWS"]),)](*args, **meta)
     return q, scale
 
@@ -145,7 +147,7 @@ def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool, gelu_fr
 @triton.jit
 def _ln_modulate_quant_kernel(
     x_ptr, scale_ptr, shift_ptr, q_ptr, s_ptr,
-    S, N, x_sb, x_ss, scale_sb, shift_sb, eps,
+    S, N, x_sb, x_ss, scale_sb, shift_sb, q_sr, eps,
     BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # One row per program, held in registers: the high tier's fast LayerNorm + modulation in fp32, then the row's
@@ -154,23 +156,32 @@ def _ln_modulate_quant_kernel(
                                              BLOCK_N)
     qscale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
     tl.store(s_ptr + out_row, qscale)
-    tl.store(q_ptr + out_row * N + cols, fp8_saturate(y / qscale, INTERPRET), mask=mask)
+    tl.store(q_ptr + out_row * q_sr + cols, fp8_saturate(y / qscale, INTERPRET), mask=mask)
 
 
 def ln_modulate_quantize(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, S, D] (unit last stride), scale/shift [B, D] -> fp8 [B * S, D], fp32 scale [B * S, 1]."""
+                         eps: float, spare: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, S, D] (unit last stride), scale/shift [B, D] -> fp8 [B * S, D] (rows `spare` columns longer, those
+    unwritten), fp32 scale [B * S, 1]."""
     B, S, D = x.shape
     interpret = _interpreting()
-    q = torch.empty((B * S, D), dtype=torch.float32 if interpret else torch.float8_e4m3fn, device=x.device)
+    q = with_spare(B * S, D, spare, x.device, torch.float32 if interpret else torch.float8_e4m3fn)
     qscale = torch.empty((B * S, 1), dtype=torch.float32, device=x.device)
     if B * S:
         block = triton.next_power_of_2(D)
         _ln_modulate_quant_kernel[(S, B)](
-            x, scale, shift, q, qscale, S, D, x.stride(0), x.stride(1), scale.stride(0), shift.stride(0), eps,
-            BLOCK_N=block, INTERPRET=interpret, num_warps=max(1, min(8, block // 512)),
+            x, scale, shift, q, qscale, S, D, x.stride(0), x.stride(1), scale.stride(0), shift.stride(0),
+            q.stride(0), eps, BLOCK_N=block, INTERPRET=interpret, num_warps=max(1, min(8, block // 512)),
         )
-    return (q.to(torch.float8_e4m3fn) if interpret else q), qscale
+    return _interpreted(q) if interpret else q, qscale
+
+
+def _interpreted(q: torch.Tensor) -> torch.Tensor:
+    """The interpreter's fp32 rows (it stores no fp8) as fp8, spare columns kept."""
+    if q.dtype == torch.float8_e4m3fn or not q.numel():
+        return q.to(torch.float8_e4m3fn)
+    wide = q.as_strided((q.shape[0], q.stride(0)), (q.stride(0), 1))
+    return wide.to(torch.float8_e4m3fn)[:, :q.shape[1]]
 
 
 @triton.jit

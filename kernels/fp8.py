@@ -58,11 +58,32 @@ WEIGHT_ONLY_ROWS = 16
 @dataclass(frozen=True)
 class Fp8Rows:
     """An activation quantized per row: fp8 `q` [M, K], fp32 `scale` [M, 1], standing for a tensor of `shape`
-    [..., K] (M its leading elements). An fp8 `model.linear.Linear` takes it in place of that tensor."""
+    [..., K] (M its leading elements). An fp8 `model.linear.Linear` takes it in place of that tensor.
+
+    `q` may be the first K columns of wider rows (`spare` columns past K, left unwritten by the producer): a layer
+    with per-request adapters writes its adapter inputs there and multiplies the wider rows in one GEMM
+    (model/adapter_slots.py)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     shape: torch.Size
+
+    @property
+    def spare(self) -> int:
+        """Columns past K in q's rows (0 for contiguous rows)."""
+        return self.q.stride(0) - self.q.shape[1] if self.q.dim() == 2 else 0
+
+    def wide(self, columns: int) -> torch.Tensor:
+        """q's rows with `columns` of their spare columns: [M, K + columns], a view."""
+        if columns > self.spare:
+            raise ValueError(f"{columns} spare columns asked of rows that have {self.spare}")
+        return self.q.as_strided((self.q.shape[0], self.q.shape[1] + columns), (self.q.stride(0), 1))
+
+
+def with_spare(rows: int, columns: int, spare: int, device: torch.device,
+               dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """An uninitialized [rows, columns] tensor whose rows are `columns + spare` long (a view of them)."""
+    return torch.empty((rows, columns + spare), dtype=dtype, device=device)[:, :columns]
 
 
 def fp8_refusal(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -104,14 +125,25 @@ def to_fp8(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def quantize_rows_eager(a: torch.Tensor, b: torch.Tensor | None = None,
-                        gelu_b: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_eager(a: torch.Tensor, b: torch.Tensor | None = None, gelu_b: bool = False,
+                        spare: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows`'s twin: rows of `cat([a, gelu(b) if gelu_b else b], -1)` in fp32 -> fp8, scale [M, 1]."""
     parts = [a.float()]
     if b is not None:
         parts.append(F.gelu(b.float(), approximate="tanh") if gelu_b else b.float())
     x = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
-    return to_fp8(x, x.abs().amax(dim=-1, keepdim=True))
+    q, scale = to_fp8(x, x.abs().amax(dim=-1, keepdim=True))
+    return _spread(q, spare), scale
+
+
+def _spread(q: torch.Tensor, spare: int) -> torch.Tensor:
+    """q [..., K] as [M, K] rows with `spare` columns past K (a copy into wider rows when spare > 0)."""
+    q = q.reshape(-1, q.shape[-1])
+    if not spare:
+        return q
+    out = with_spare(q.shape[0], q.shape[1], spare, q.device, q.dtype)
+    out.copy_(q)
+    return out
 
 
 def _device_supported(device: torch.device) -> bool:
@@ -127,20 +159,21 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[:-1].numel(), t.shape[-1])
 
 
-def quantize_rows(a: torch.Tensor, b: torch.Tensor | None = None,
-                  gelu_b: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(a: torch.Tensor, b: torch.Tensor | None = None, gelu_b: bool = False,
+                  spare: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row fp8 quantization of `[a | b]` ([..., Ka] and [..., Kb], same leading shape), tanh-GELU on `b` if
-    `gelu_b`: returns (fp8 [M, Ka + Kb], fp32 scale [M, 1]) with M the leading elements. One pass on CUDA."""
+    `gelu_b`: returns (fp8 [M, Ka + Kb], fp32 scale [M, 1]) with M the leading elements. One pass on CUDA.
+    `spare`: the rows are `spare` columns longer than that, unwritten (`Fp8Rows.spare`)."""
     a2 = _rows(a)
     b2 = None if b is None else _rows(b)
     if b2 is not None and b2.shape[0] != a2.shape[0]:
         raise ValueError(f"quantize_rows: {tuple(a.shape)} and {tuple(b.shape)} have different leading shapes")
     if (not _device_supported(a2.device) or a2.dtype not in (torch.bfloat16, torch.float16, torch.float32)
             or torch.compiler.is_compiling()):  # Dynamo traces the twin (Inductor writes its pass), not a launcher
-        return quantize_rows_eager(a2, b2, gelu_b)
+        return quantize_rows_eager(a2, b2, gelu_b, spare)
     from . import _fp8_triton
 
-    return _fp8_triton.quantize_rows(a2, b2, gelu_b)
+    return _fp8_triton.quantize_rows(a2, b2, gelu_b, spare=spare)
 
 
 def weight_only_linear_eager(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -166,12 +199,12 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 
 
 def layer_norm_modulate_fp8_eager(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                                   eps: float) -> Fp8Rows:
+                                   eps: float, spare: int = 0) -> Fp8Rows:
     """The eager twin of the fp8 norm (`layer_norm_modulate(..., fp8=True)`): the modulated LayerNorm in fp32 (no
     rounding to x's dtype), quantized."""
     D = x.shape[-1]
     y = F.layer_norm(x.float(), (D,), eps=eps) * (1 + scale.float()[:, None]) + shift.float()[:, None]
-    q, s = quantize_rows_eager(y.reshape(-1, D))
+    q, s = quantize_rows_eager(y.reshape(-1, D), spare=spare)
     return Fp8Rows(q, s, x.shape)
 
 

@@ -99,22 +99,24 @@ def _fast_supported(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -
 
 
 def layer_norm_modulate(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, fast: bool = False, fp8: bool = False
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, fast: bool = False, fp8: bool = False,
+    spare: int = 0,
 ) -> torch.Tensor | Fp8Rows:
     """`modulate(F.layer_norm(x, (D,), eps=eps), scale, shift)` for x [B, S, D], scale/shift [B, D].
 
     fast=False (lossless): bit-exact, one pass when the gate has verified the kernel for this signature, else
     eager. fast=True (quality "high", CUDA fp16/bf16): the non-exact single-pass kernel; elsewhere the lossless path.
-    fp8=True (an fp8 site, see `norm_fp8`): the result quantized per row as `Fp8Rows`, computed in one pass on CUDA.
+    fp8=True (an fp8 site, see `norm_fp8`): the result quantized per row as `Fp8Rows`, computed in one pass on CUDA,
+    its rows `spare` columns longer (`Fp8Rows.spare`).
     """
     if fp8:  # the fast kernel's row, quantized instead of rounded: the same support rule
         from .fp8 import Fp8Rows, layer_norm_modulate_fp8_eager
 
         if not _fast_supported(x, scale, shift):
-            return layer_norm_modulate_fp8_eager(x, scale, shift, eps)
+            return layer_norm_modulate_fp8_eager(x, scale, shift, eps, spare)
         from . import _fp8_triton
 
-        return Fp8Rows(*_fp8_triton.ln_modulate_quantize(x, scale, shift, eps), x.shape)
+        return Fp8Rows(*_fp8_triton.ln_modulate_quantize(x, scale, shift, eps, spare=spare), x.shape)
     if fast and _fast_supported(x, scale, shift):
         from . import _high_triton
 

@@ -11,9 +11,16 @@ sharded `model.linear.Linear` layers are not PEFT's to wrap. Here:
 - before each batch, each image's adapters (with the request's scales) are composed into per-layer buffers of a
   fixed shape (`Side`: [rows, parts x rank, K] and [rows, parts x rank, N]; zero past what a row uses), a few
   multi-tensor copies, skipped when the batch's adapters are the previous batch's;
-- the layer adds `(x_b A_b^T) B_b^T` for each batch row b beside its own GEMM (an fp8 input's rows go through
-  `torch._scaled_mm` against the fp8 A), before the ranks' outputs are joined: a row-parallel layer's partial
-  products are summed by the all-reduce it already makes.
+- an fp8 layer multiplies the terms inside its own GEMM: its weight gains `rows x width` columns past K holding
+  each batch row's B (fp8, in the weight's own per-channel scales), and its input rows as many columns, where each
+  image's rows get `x A^T` (quantized in the rows' own scales), so `[x | x A^T] [W | B]^T = x W^T + x A^T B^T` in
+  one `torch._scaled_mm`: no second pass over the layer's output. (Each rank j of A, B is scaled by a factor c_j
+  moved from B to x A^T so that both fit fp8, `_wide_term`; an adapter too strong for that range beside its
+  layer's fp8 weight sends the layer to the form below.) The producers of fp8 rows leave those columns
+  (`kernels.fp8.Fp8Rows.spare`, `model.linear.spare_columns`);
+- any other layer adds `(x_b A_b^T) B_b^T` for each batch row b beside its own GEMM;
+  both before the ranks' outputs are joined: a row-parallel layer's partial products are summed by the all-reduce it
+  already makes.
 
 The buffers never move: a step captured once replays for any adapters within the rank budget, so switching adapters
 captures nothing, and one batch may hold images with different adapters. Not bit-exact (the terms are summed in
@@ -23,6 +30,7 @@ PEFT's exact path (model/adapters.py).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,9 +41,29 @@ from kernels import fp8 as fp8_ops
 from model.linear import Linear
 from model.request import adapter_rank_error
 
+logger = logging.getLogger(__name__)
+
 Rows = Sequence[tuple[tuple[str, float], ...]]  # each batch row's (adapter name, scale) pairs
 # Copy plans kept per (row, rank offset, adapter), oldest dropped past this: a plan is a few views per served layer.
 MAX_PLANS = 256
+
+
+# x A^T's side of a wide term is expected at most FP8_MAX / WIDE_HEADROOM (an estimate: |x A_j| / max|x| <=
+# ||A_j||), for outlier tokens and request scales above 1.
+WIDE_HEADROOM = 1.0
+# Rows of ones (the unit row scales of the x A^T GEMM) kept per batch row; more rows get their own.
+ONES_PER_ROW = 65536
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _ones(device: torch.device, rows: int) -> torch.Tensor:
+    """A [rows, 1] fp32 column of ones, shared by the sides on `device` (made where no graph is being captured)."""
+    ones = _ONES.get(device)
+    if ones is None or ones.shape[0] < rows:
+        ones = _ONES[device] = torch.ones(rows, 1, device=device, dtype=torch.float32)
+    return ones
 
 
 @dataclass
@@ -43,29 +71,77 @@ class _State:
     on: bool = False  # the batch has adapters: every side adds its rows' terms
 
 
+def wide_form(layer: Linear) -> bool:
+    """Whether `layer` can take its adapters inside its own GEMM (an fp8 layer fed by quantized rows)."""
+    return layer.quant.fp8 and not getattr(layer.quant, "weight_only", False)
+
+
 class Side:
     """One layer's adapter buffers for a batch (this rank's shard): each row's A rows and B^T rows, `parts` x `rank`
-    of them (a stacked layer's part p owns rows [p * rank, (p + 1) * rank)), zero past what the row's adapters use."""
+    of them (a stacked layer's part p owns rows [p * rank, (p + 1) * rank)), zero past what the row's adapters use.
+    A wide side (`wide_form`) keeps each row's fp8 A and its scales, and each row's B in the layer's weight: the
+    weight becomes the first K columns of `weight` [N, K + rows x width], row b's B in the width columns after
+    K + b x width."""
 
-    def __init__(self, layer: Linear, rows: int, rank: int, state: _State) -> None:
+    def __init__(self, layer: Linear, rows: int, rank: int, state: _State, wide: bool) -> None:
         n, k = layer.weight.shape
         dtype = torch.bfloat16 if layer.quant.fp8 else layer.weight.dtype
         device = layer.weight.device
+        self.wide = wide
         width = max(1, len(layer.parts)) * rank
+        self.width = -(-width // 16) * 16 if self.wide else width  # an fp8 GEMM's K is a multiple of 16
         self.state = state
-        self.a = torch.zeros(rows, width, k, device=device, dtype=dtype)
-        self.bt = torch.zeros(rows, width, n, device=device, dtype=dtype)
-        self.a8 = self.a8_scale = None
+        self.a = self.bt = self.a8 = self.a8_scale = self.weight = self.ones = None
+        if not self.wide:
+            self.a = torch.zeros(rows, width, k, device=device, dtype=dtype)
+            self.bt = torch.zeros(rows, width, n, device=device, dtype=dtype)
         if layer.quant.fp8:
-            self.a8 = torch.zeros(rows, width, k, device=device, dtype=torch.float8_e4m3fn)
-            self.a8_scale = torch.zeros(rows, 1, width, device=device, dtype=torch.float32)
+            self.a8 = torch.zeros(rows, self.width, k, device=device, dtype=torch.float8_e4m3fn)
+            self.a8_scale = torch.zeros(rows, 1, self.width, device=device, dtype=torch.float32)
+        if self.wide:
+            with torch.no_grad():
+                self.weight = torch.zeros(n, k + rows * self.width, device=device, dtype=layer.weight.dtype)
+                self.weight[:, :k] = layer.weight
+                layer.weight = nn.Parameter(self.weight[:, :k], requires_grad=False)
+            self.ones = _ones(device, rows * ONES_PER_ROW)
 
     @property
     def on(self) -> bool:
         return self.state.on
 
+    @property
+    def spare(self) -> int:
+        """Columns past K this layer's input rows need (0: not a wide side)."""
+        return self.a8.shape[0] * self.width if self.wide else 0
+
     def buffers(self) -> list[torch.Tensor]:
-        return [t for t in (self.a, self.bt, self.a8, self.a8_scale) if t is not None]
+        return [t for t in (self.a, self.bt, self.a8, self.a8_scale, self.weight) if t is not None]
+
+    def matmul(self, layer: Linear, x: torch.Tensor | fp8_ops.Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
+        """A wide side: the layer's local product with each batch row's adapter terms, in one GEMM over the input
+        rows widened by x A^T (written into the rows' spare columns)."""
+        n, k = layer.weight.shape
+        if not isinstance(x, fp8_ops.Fp8Rows):
+            x = fp8_ops.Fp8Rows(*fp8_ops.quantize_rows(x, spare=self.spare), x.shape)
+        batch, width = x.shape[0], self.width
+        columns = batch * width
+        if x.spare < columns:  # rows from a pass that left no room: copied into wider ones
+            q = fp8_ops.with_spare(x.q.shape[0], k, columns, x.q.device)
+            q.copy_(x.q)
+            x = fp8_ops.Fp8Rows(q, x.scale, x.shape)
+        rows = x.wide(columns)
+        extra = rows[:, k:]
+        if batch > 1:
+            extra.zero_()  # an image's rows carry no other image's terms
+        per_row = x.q.shape[0] // batch
+        ones = self.ones if per_row * batch <= self.ones.shape[0] else torch.ones_like(x.scale)
+        for b in range(batch):
+            mine = slice(b * per_row, (b + 1) * per_row)
+            # x A^T c / s (s: the row's scale, which the GEMM multiplies back): unit row scales, A's scales times c
+            xa = fp8_ops.rows_matmul(x.q[mine], self.a8[b], ones[:per_row], self.a8_scale[b], None)
+            extra[mine, b * width:(b + 1) * width].copy_(xa.clamp_(-fp8_ops.FP8_MAX, fp8_ops.FP8_MAX))
+        y = fp8_ops.rows_matmul(rows, self.weight[:, :k + columns], x.scale, layer.weight_scale, bias)
+        return y.view(*x.shape[:-1], n)
 
     def add(self, y: torch.Tensor, x: torch.Tensor | fp8_ops.Fp8Rows) -> torch.Tensor:
         """y (the layer's local product, [batch, ..., N]) += each batch row's adapter terms; in place."""
@@ -94,6 +170,16 @@ class _Term:
     bt: torch.Tensor
     a8: torch.Tensor | None  # fp8 A [r, K_local] beside an fp8 layer, with its per-row scales [r]
     a8_scale: torch.Tensor | None
+    wide: _Wide | None = None  # the term inside an fp8 layer's GEMM (None: it does not fit there)
+
+
+@dataclass(frozen=True)
+class _Wide:
+    """A term in a wide side's form: B / (c w) as fp8 columns of the layer's weight [N_local, r], and A's fp8 scales
+    times c (c [r]; w the weight's channel scales)."""
+
+    b8: torch.Tensor
+    a8_scale: torch.Tensor
 
 
 @dataclass
@@ -132,6 +218,7 @@ class AdapterSlots:
         # regions the last fill wrote (everything else is zero), so a switch zeroes and copies only what it must.
         self._plans: dict[tuple[int, int, str], _Plan] = {}
         self._written: list[torch.Tensor] = []
+        self.beside: set[str] = set()  # fp8 layers an adapter too strong for their GEMM's fp8 columns went beside
         # Every linear of the model as a `Linear` (F.linear, the same kernels as nn.Linear), so any layer an adapter
         # reaches can carry a side; and where an unfused layer's adapter lands: name -> (served layer, part).
         with torch.no_grad():
@@ -171,12 +258,42 @@ class AdapterSlots:
                 terms.setdefault(served, []).append(self._term(layer, part, a, b, scaling))
                 rank = max(rank, r)
         self.adapters[name] = _Adapter(rank, terms)
-        for served in terms:
-            if self.layers[served].side is None:
-                self.layers[served].side = Side(self.layers[served], self.rows, self.rank, self.state)
+        for served, layer_terms in terms.items():
+            layer = self.layers[served]
+            if any(term.wide is None for term in layer_terms) and wide_form(layer) and served not in self.beside:
+                logger.warning("adapter %r at %s does not fit fp8 columns beside the layer's weight: its adapters "
+                               "are added after the layer's GEMM", name, served)
+                self.move_beside([served])
+            if layer.side is None:
+                wide = wide_form(layer) and served not in self.beside
+                layer.side = Side(layer, self.rows, self.rank, self.state, wide)
                 self.version += 1
         self._composed = None
         return sorted(terms)
+
+    def move_beside(self, names: Sequence[str] | None = None) -> None:
+        """Layers `names` (default: all) take every adapter after their GEMM from now on: where one adapter is too
+        strong for fp8 columns beside the weight (and for benchmarks, which compare the two forms)."""
+        for served in self.layers if names is None else names:
+            layer = self.layers[served]
+            if not wide_form(layer) or served in self.beside:
+                continue
+            self.beside.add(served)
+            if layer.side is not None:
+                self._drop_side(layer)
+                layer.side = Side(layer, self.rows, self.rank, self.state, False)
+
+    def _drop_side(self, layer: Linear) -> None:
+        """Take a layer's side away (its weight back to its own K columns); every buffer written so far is zeroed
+        first, as the plans (views of the old buffers) go."""
+        with torch.no_grad():
+            for group, _ in _by_dtype(self._written, self._written).values():
+                torch._foreach_zero_(group)
+            if layer.side.wide:
+                layer.weight = nn.Parameter(layer.weight.contiguous(), requires_grad=False)
+        layer.side = None
+        self._plans, self._written, self._composed = {}, [], None
+        self.version += 1
 
     def remove(self, name: str) -> None:
         if name not in self.adapters:
@@ -207,9 +324,13 @@ class AdapterSlots:
         if layer.quant.fp8:
             a8, scale = fp8_ops.to_fp8(a, a.abs().amax(dim=1, keepdim=True))
             a8_scale = scale.flatten()
-        bt = torch.zeros(a.shape[0], layer.weight.shape[0], device=device, dtype=dtype)
-        bt.index_copy_(1, local.to(device), b.t().to(dtype))
-        return _Term(part, a.to(dtype), bt, a8, a8_scale)
+        bt = torch.zeros(a.shape[0], layer.weight.shape[0], device=device, dtype=torch.float32)
+        bt.index_copy_(1, local.to(device), b.t())
+        wide = None
+        if wide_form(layer):
+            fit = _wide_term(a, bt, layer.weight_scale.flatten())
+            wide = None if fit is None else _Wide(fit[0], a8_scale * fit[1])
+        return _Term(part, a.to(dtype), bt.to(dtype), a8, a8_scale, wide)
 
     # -- batches ---------------------------------------------------------------------------------------------------
 
@@ -258,7 +379,7 @@ class AdapterSlots:
         self.rows = rows
         for layer in self.layers.values():
             if layer.side is not None:
-                layer.side = Side(layer, rows, self.rank, self.state)
+                layer.side = Side(layer, rows, self.rank, self.state, layer.side.wide)
         self.version += 1
         self._composed = None
         self._plans, self._written = {}, []  # views of the old buffers
@@ -272,9 +393,17 @@ class AdapterSlots:
         src: list[torch.Tensor] = []
         scaled: list[torch.Tensor] = []
         for served, terms in self.adapters[name].terms.items():
-            side = self.layers[served].side
+            layer = self.layers[served]
+            side = layer.side
             for term in terms:
                 at = slice(term.part * self.rank + offset, term.part * self.rank + offset + term.a.shape[0])
+                if side.wide:  # fp8 A, its scales (the request's scale goes there), B into the weight's columns
+                    first = layer.weight.shape[1] + row * side.width
+                    dst += [side.a8[row, at].view(torch.uint8), side.a8_scale[row, 0, at],
+                            side.weight[:, first + at.start:first + at.stop].view(torch.uint8)]
+                    src += [term.a8.view(torch.uint8), term.wide.a8_scale, term.wide.b8.view(torch.uint8)]
+                    scaled.append(side.a8_scale[row, 0, at])
+                    continue
                 dst += [side.a[row, at], side.bt[row, at]]
                 src += [term.a, term.bt]
                 scaled.append(side.a[row, at])
@@ -307,8 +436,8 @@ class AdapterSlots:
                 written += plan.zero
                 offset += self.adapters[name].rank
         with torch.no_grad():
-            if self._written:
-                torch._foreach_zero_(self._written)  # bytes of contiguous regions: one list, one dtype
+            for group, _ in _by_dtype(self._written, self._written).values():
+                torch._foreach_zero_(group)  # bytes: a list of contiguous regions, and the weights' strided columns
             # one list per dtype (bf16 A and B^T rows, fp8 A as bytes, fp32 fp8 scales): a list mixing dtypes takes
             # the per-tensor path on CUDA
             for group_dst, group_src in _by_dtype(dst, src).values():
@@ -318,11 +447,28 @@ class AdapterSlots:
         self._written = written
 
 
-def _by_dtype(tensors: list[torch.Tensor], others: list) -> dict[torch.dtype, tuple[list[torch.Tensor], list]]:
-    """`tensors` and the entries of `others` beside them, split by the tensors' dtype (order kept in each group)."""
-    groups: dict[torch.dtype, tuple[list[torch.Tensor], list]] = {}
+def _by_dtype(tensors: list[torch.Tensor], others: list) -> dict[tuple, tuple[list[torch.Tensor], list]]:
+    """`tensors` and the entries of `others` beside them, split by the tensors' dtype and whether they are
+    contiguous (order kept in each group): one strided tensor sends a whole list down the per-tensor path."""
+    groups: dict[tuple, tuple[list[torch.Tensor], list]] = {}
     for t, o in zip(tensors, others):
-        group = groups.setdefault(t.dtype, ([], []))
+        group = groups.setdefault((t.dtype, t.is_contiguous()), ([], []))
         group[0].append(t)
         group[1].append(o)
     return groups
+
+
+def _wide_term(a: torch.Tensor, bt: torch.Tensor,
+               weight_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A term (A [r, K], B^T [r, N], fp32) inside the GEMM of an fp8 weight with channel scales `weight_scale` [N]:
+    the weight's columns B[n, j] / (c_j w_n) and the input's x A_j^T c_j / s (s the row's scale, max|x| / 448). Each
+    c_j lies between the least that keeps the B column within fp8 and the most that keeps x A_j^T's side within
+    FP8_MAX / WIDE_HEADROOM by the estimate |x A_j^T| <= max|x| ||A_j||, at their geometric mean. Returns (fp8 [N, r], c [r]); None when there is no such c."""
+    need = (bt.abs() / weight_scale).amax(dim=1) / fp8_ops.FP8_MAX  # c at least this
+    room = 1.0 / (WIDE_HEADROOM * a.norm(dim=1).clamp(min=1e-30))  # and at most this
+    used = need > 0
+    if bool((need > room)[used].any()):
+        return None
+    c = torch.where(used, (need * room).sqrt(), torch.ones_like(need))
+    b8 = (bt / (c[:, None] * weight_scale)).clamp(-fp8_ops.FP8_MAX, fp8_ops.FP8_MAX).to(torch.float8_e4m3fn)
+    return b8.t().contiguous(), c

@@ -13,7 +13,7 @@ timestep/guidance/text embedders and the final `AdaLayerNormContinuous`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ from kernels.gelu import unmark_fused_gelu_site
 from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site, norm_fp8
 from kernels.rope import rms_rope_cat
 from model.execution import cached_step, execution_of
-from model.linear import Linear, is_fp8, linear_cat_gelu
+from model.linear import Linear, is_fp8, linear_cat_gelu, spare_columns
 
 logger = logging.get_logger(__name__)
 
@@ -120,11 +120,14 @@ class FluxAdaLayerNormZero(nn.Module):
         self.norm = nn.LayerNorm(embedding_dim, elementwise_affine=False, eps=1e-6)
         mark_norm_site(self)
 
-    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, x: torch.Tensor, emb: torch.Tensor,
+                consumers: Sequence[nn.Module] = ()) -> tuple[torch.Tensor, ...]:
+        """consumers: the layers the normed rows feed (fp8 rows leave the columns their adapters need)."""
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, *rest = emb.chunk(self.chunks, dim=1)
-        return (layer_norm_modulate(x, scale_msa, shift_msa, self.norm.eps, fast=fast_norm(self), fp8=norm_fp8(self)),
-                *rest)
+        fp8 = norm_fp8(self)
+        return (layer_norm_modulate(x, scale_msa, shift_msa, self.norm.eps, fast=fast_norm(self), fp8=fp8,
+                                    spare=spare_columns(*consumers) if fp8 else 0), *rest)
 
 
 class FluxAdaLayerNormZeroSingle(FluxAdaLayerNormZero):
@@ -189,6 +192,13 @@ class FluxAttention(nn.Module):
             self.to_added_qkv = Linear.from_linears([self.add_q_proj, self.add_k_proj, self.add_v_proj],
                                                     names=("add_q_proj", "add_k_proj", "add_v_proj"))
             del self.add_q_proj, self.add_k_proj, self.add_v_proj
+
+    def projections(self, text: bool) -> tuple[nn.Module, ...]:
+        """The layers that project one stream's normed rows to q, k, v."""
+        fused = self.to_added_qkv if text else self.to_qkv
+        if fused is not None:
+            return (fused,)
+        return (self.add_q_proj, self.add_k_proj, self.add_v_proj) if text else (self.to_q, self.to_k, self.to_v)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (self.heads, self.head_dim))
@@ -308,9 +318,10 @@ class FluxTransformerBlock(nn.Module):
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
         joint_attention_kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
+            hidden_states, emb=temb, consumers=self.attn.projections(text=False))
         norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
-            encoder_hidden_states, emb=temb
+            encoder_hidden_states, emb=temb, consumers=self.attn.projections(text=True)
         )
         attn_output, context_attn_output = self.attn(
             hidden_states=norm_hidden_states,
@@ -322,13 +333,14 @@ class FluxTransformerBlock(nn.Module):
         hidden_states = residual_gate_add(hidden_states, attn_output, gate_msa.unsqueeze(1))
         fast, fp8 = fast_norm(self), norm_fp8(self)
         norm_hidden_states = layer_norm_modulate(hidden_states, scale_mlp, shift_mlp, self.norm2.eps, fast=fast,
-                                                 fp8=fp8)
+                                                 fp8=fp8, spare=spare_columns(self.ff.net[0].proj) if fp8 else 0)
         hidden_states = residual_gate_add(hidden_states, self.ff(norm_hidden_states), gate_mlp.unsqueeze(1))
 
         # Text stream.
         encoder_hidden_states = residual_gate_add(encoder_hidden_states, context_attn_output, c_gate_msa.unsqueeze(1))
         norm_encoder_hidden_states = layer_norm_modulate(
-            encoder_hidden_states, c_scale_mlp, c_shift_mlp, self.norm2_context.eps, fast=fast, fp8=fp8
+            encoder_hidden_states, c_scale_mlp, c_shift_mlp, self.norm2_context.eps, fast=fast, fp8=fp8,
+            spare=spare_columns(self.ff_context.net[0].proj) if fp8 else 0,
         )
         # diffusers clips only the text stream here (fp16 overflow guard); folded into the residual kernel.
         encoder_hidden_states = residual_gate_add(
@@ -372,6 +384,12 @@ class FluxSingleTransformerBlock(nn.Module):
             del attn.to_q, attn.to_k, attn.to_v, self.proj_mlp
             unmark_fused_gelu_site(self, "proj_mlp")
 
+    def norm_consumers(self) -> tuple[nn.Module, ...]:
+        """The layers the block's norm feeds: q, k, v and the MLP up-projection (one stacked layer, fused)."""
+        if self.to_qkv_mlp is not None:
+            return (self.to_qkv_mlp,)
+        return (*self.attn.projections(text=False), self.proj_mlp)
+
     def forward_joint(
         self,
         joint: torch.Tensor,
@@ -379,7 +397,7 @@ class FluxSingleTransformerBlock(nn.Module):
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The block on the joint [text; image] sequence (what diffusers computes between its cat and split)."""
-        norm_hidden_states, gate = self.norm(joint, emb=temb)
+        norm_hidden_states, gate = self.norm(joint, emb=temb, consumers=self.norm_consumers())
         if self.mlp_gelu_in_proj_out:
             attn = self.attn
             if self.to_qkv_mlp is not None:

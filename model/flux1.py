@@ -103,15 +103,11 @@ def _quantize_at_norms(model: Any) -> None:
         return all(is_fp8(layer) for layer in layers)
 
     for block in model.transformer_blocks:
-        a = block.attn
-        set_norm_fp8(block.norm1, fp8(a.to_qkv) if a.to_qkv is not None else fp8(a.to_q, a.to_k, a.to_v))
-        set_norm_fp8(block.norm1_context, fp8(a.to_added_qkv) if a.to_added_qkv is not None
-                     else fp8(a.add_q_proj, a.add_k_proj, a.add_v_proj))
+        set_norm_fp8(block.norm1, fp8(*block.attn.projections(text=False)))
+        set_norm_fp8(block.norm1_context, fp8(*block.attn.projections(text=True)))
         set_norm_fp8(block, block.ff.gelu_in_down_proj and block.ff_context.gelu_in_down_proj)
     for block in model.single_transformer_blocks:
-        a = block.attn
-        ups = (block.to_qkv_mlp,) if block.to_qkv_mlp is not None else (a.to_q, a.to_k, a.to_v, block.proj_mlp)
-        set_norm_fp8(block.norm, is_fp8(block.proj_out) and fp8(*ups))
+        set_norm_fp8(block.norm, is_fp8(block.proj_out) and fp8(*block.norm_consumers()))
 
 
 # -- the original (BFL) single-file layout: transformer/ holds one .safetensors file with these keys --------------

@@ -359,9 +359,13 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor | fp8_ops.Fp8Rows) -> torch.Tensor:
         """x: [batch, ..., in_features] (or those rows quantized); the adapter side path, when on, adds each batch
         row's adapters to the local product, before the ranks' outputs are joined."""
-        y = self.quant.apply(self, x, self.bias if self.parallel.bias_here else None)
-        if self.side is not None and self.side.on:
-            y = self.side.add(y, x)
+        bias = self.bias if self.parallel.bias_here else None
+        side = self.side if self.side is not None and self.side.on else None
+        if side is not None and side.wide:  # the adapters' terms inside this layer's GEMM
+            return self.parallel.finish(side.matmul(self, x, bias))
+        y = self.quant.apply(self, x, bias)
+        if side is not None:
+            y = side.add(y, x)
         return self.parallel.finish(y)
 
     def matmul(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -438,11 +442,22 @@ def convertible(linear: nn.Module) -> str | None:
     return reason or fp8_ops.shape_refusal(linear.in_features, linear.out_features)
 
 
+def spare_columns(*layers: nn.Module | None) -> int:
+    """Columns past K that the rows quantized for these layers must have (`kernels.fp8.Fp8Rows.spare`): the most any
+    of them writes its adapters' inputs into now (model/adapter_slots.py); 0 without adapters on."""
+    spare = 0
+    for layer in layers:  # (a loop: Dynamo traces no max() over a generator)
+        if isinstance(layer, Linear) and layer.side is not None and layer.side.on:
+            spare = max(spare, layer.side.spare)
+    return spare
+
+
 def linear_cat_gelu(linear: nn.Module, a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     """`linear(cat([a, gelu_tanh(b)], -1))` (`a` may be None): an fp8 layer quantizes both parts and applies the GELU
     in one pass, with no bf16 intermediate; any other layer runs the eager expression."""
     if is_fp8(linear):
-        q, scale = fp8_ops.quantize_rows(b[..., :0] if a is None else a, b, gelu_b=True)  # no `a`: zero width
+        q, scale = fp8_ops.quantize_rows(b[..., :0] if a is None else a, b, gelu_b=True,  # no `a`: zero width
+                                         spare=spare_columns(linear))
         return linear(fp8_ops.Fp8Rows(q, scale, torch.Size((*b.shape[:-1], q.shape[1]))))
     act = F.gelu(b, approximate="tanh")
     return linear(act if a is None else torch.cat([a, act], dim=-1))

@@ -50,9 +50,9 @@ def data_url(png: bytes) -> str:
 
 def write_random_lora(transformer: torch.nn.Module, path: Path, seed: int, rank: int = 4,
                       targets: tuple[str, ...] = LORA_TARGETS, std: float = 0.2,
-                      text_encoder: torch.nn.Module | None = None) -> Path:
+                      text_encoder: torch.nn.Module | None = None, b_std: float | None = None) -> Path:
     """A random adapter in diffusers/PEFT key format on every block linear whose name ends with one of `targets`;
-    with `text_encoder` (CLIP), on its attention projections too."""
+    with `text_encoder` (CLIP), on its attention projections too. B's entries have `b_std` (default `std`)."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
@@ -64,7 +64,8 @@ def write_random_lora(transformer: torch.nn.Module, path: Path, seed: int, rank:
         for name, mod in model.named_modules():
             if inside in name and name.endswith(ends) and isinstance(mod, torch.nn.Linear):
                 sd[f"{prefix}.{name}.lora_A.weight"] = torch.randn(rank, mod.in_features, generator=g) * std
-                sd[f"{prefix}.{name}.lora_B.weight"] = torch.randn(mod.out_features, rank, generator=g) * std
+                sd[f"{prefix}.{name}.lora_B.weight"] = torch.randn(mod.out_features, rank, generator=g) * (
+                    std if b_std is None else b_std)
     save_file(sd, str(path))
     return path
 

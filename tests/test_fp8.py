@@ -123,6 +123,10 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
             assert diff.float().mean() < 2e-3, (dtype, int(diff.sum()))
             one_step = (qf - qef).abs() <= torch.maximum(qf.abs(), qef.abs()) * 2.0 ** -3 + 2.0 ** -9
             assert one_step[diff].all()
+    # rows left 40 columns longer (spare, for adapter inputs): the same values in the first K, a longer row stride
+    qw, sw = T.quantize_rows(a, b, True, spare=40)
+    assert qw.shape == q.shape and qw.stride() == (q.shape[1] + 40, 1) and qw.dtype == torch.float8_e4m3fn
+    assert torch.equal(qw.float(), qf) and torch.equal(sw, s)
 q, s = T.quantize_rows(torch.zeros(0, 32), None, False)
 assert q.shape == (0, 32) and s.shape == (0, 1)
 print("fp8 quantization ok")
@@ -155,6 +159,8 @@ for dtype in (torch.bfloat16, torch.float16):
     assert diff.float().mean() < 2e-3, (dtype, int(diff.sum()))
     assert ((qf - qef).abs() <= torch.maximum(qf.abs(), qef.abs()) * 2.0 ** -3 + 2.0 ** -9)[diff].all()
     assert (qf[7] == 0).all() and s[7].item() == (torch.tensor(1e-12) / 448.0).item()  # fp32
+    qw, sw = T.ln_modulate_quantize(x, scale, shift, 1e-6, spare=16)  # rows 16 columns longer, the same values
+    assert qw.shape == (10, 200) and qw.stride() == (216, 1) and torch.equal(qw.float(), qf) and torch.equal(sw, s)
 print("fp8 layer norm ok")
 """
 
@@ -1112,3 +1118,51 @@ def test_rows_of_strided_and_batched_activations_quantize_as_their_contiguous_co
         q_ref, scale_ref = fp8.quantize_rows_eager(a.contiguous().reshape(-1, a.shape[-1]))
         assert q.shape == (a.shape[:-1].numel(), a.shape[-1])
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+
+
+def _adapter_everywhere(slots, g: torch.Generator) -> dict:
+    """A rank-4 adapter on every source layer the slots serve in fp8 with quantized rows (unit rows of A, B a few
+    percent of W)."""
+    tensors = {}
+    for source, (served, part) in sorted(slots.origin.items()):
+        layer = slots.layers[served]
+        if not is_fp8(layer) or layer.quant.weight_only:
+            continue
+        sizes = [size for _, size in layer.parts] or [layer.out_features]
+        k = layer.in_features
+        tensors[source] = (torch.randn(4, k, generator=g) / k ** 0.5, torch.randn(sizes[part], 4, generator=g) * 0.01,
+                           1.0)
+    return tensors
+
+
+def test_the_fp8_form_hands_each_adapter_layer_rows_with_the_room_it_needs(fp8_on_cpu, monkeypatch) -> None:
+    """The converted form (fused projections, fp8, the norms and the GELU passes quantizing) with an adapter on
+    every fp8 projection, served inside the GEMMs: each such layer gets its rows from the pass that made them with
+    the spare columns its images' adapters need (no copy into wider rows; the attention outputs' layers quantize
+    their own input), and the adapters change the output. Would catch a producer not asked for room (the norms'
+    consumers, the GELU pass's layer). (The arithmetic of a wide layer: tests/test_adapter_slots.py.)"""
+    import model.adapter_slots as slots_mod
+
+    m = _model(torch.bfloat16)
+    m.fuse_qkv_projections()
+    quantize_fp8(m)
+    slots = slots_mod.AdapterSlots(m, rank=16, rows=2)
+    slots.add("ink", _adapter_everywhere(slots, torch.Generator().manual_seed(6)))
+    wide_layers = [layer for layer in slots.layers.values() if layer.side is not None and layer.side.wide]
+    assert len(wide_layers) == 2 * 8 + 2 * 2  # double: q/k/v, out and FF up, down, per stream; single: 2
+    seen: list[tuple[int, int]] = []
+    real = slots_mod.Side.matmul
+
+    def spy(self, layer, x, bias):
+        seen.append((x.spare if isinstance(x, fp8.Fp8Rows) else -1, x.shape[0] * self.width))
+        return real(self, layer, x, bias)
+
+    inputs = _inputs(2, torch.bfloat16)
+    with torch.no_grad(), monkeypatch.context() as mp:
+        mp.setattr(slots_mod.Side, "matmul", spy)
+        plain = m(**inputs)[0]
+        slots.compose([(("ink", 1.0),), (("ink", -0.5),)])
+        wide = m(**inputs)[0]
+    assert len(seen) == len(wide_layers) and all(spare >= need for spare, need in seen if spare >= 0), seen
+    assert sum(spare < 0 for spare, _ in seen) == 2 * 2, seen  # to_out and to_add_out of each double block
+    assert _rel(wide, plain) > 1e-3

@@ -155,7 +155,8 @@ def test_layer_norm_modulate_hands_each_kernel_its_operands_and_eps(as_cuda, mon
     eps = 1e-6
     exact = Spy(lambda a, sc, sh, e: modulate.layer_norm_modulate_eager(a, sc, sh, e))
     fast = Spy(lambda a, sc, sh, e: modulate.layer_norm_modulate_eager(a, sc, sh, e))
-    quant = Spy(lambda a, sc, sh, e: (lambda r: (r.q, r.scale))(layer_norm_modulate_fp8_eager(a, sc, sh, e)))
+    quant = Spy(lambda a, sc, sh, e, spare=0: (lambda r: (r.q, r.scale))(
+        layer_norm_modulate_fp8_eager(a, sc, sh, e, spare)))
     monkeypatch.setattr(_lossless_triton, "ln_modulate_exact", exact)
     monkeypatch.setattr(_high_triton, "ln_modulate_fast", fast)
     monkeypatch.setattr(_fp8_triton, "ln_modulate_quantize", quant)
@@ -174,6 +175,8 @@ def test_layer_norm_modulate_hands_each_kernel_its_operands_and_eps(as_cuda, mon
     assert torch.equal(rows.q.float(), want.q.float()) and torch.equal(rows.scale, want.scale)
     assert len(quant.calls) == 1 and same(quant.calls[0][0], (x, scale, shift, eps))
     assert len(fast.calls) == 1 and len(exact.calls) == 1
+    rows = modulate.layer_norm_modulate(x, scale, shift, eps, fp8=True, spare=32)  # rows with room for adapters
+    assert quant.calls[1][1] == {"spare": 32} and rows.spare == 32 and torch.equal(rows.q.float(), want.q.float())
 
 
 def test_layer_norm_modulate_takes_its_twins_where_the_fast_passes_do_not_apply(as_cuda, monkeypatch) -> None:
