@@ -241,3 +241,30 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     else:
         _weight_only_tuned[lambda m: (triton.cdiv(N, m["BLOCK_N"]),)](*args, **meta)
     return y
+
+
+@triton.jit
+def _saturate_kernel(src_ptr, dst_ptr, M, W, s_sr, d_sr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    # One block of rows: values in the source's dtype -> fp8, saturating, into a (strided) fp8 destination.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_W)
+    ok = (rows < M)[:, None] & (cols < W)[None, :]
+    x = tl.load(src_ptr + rows[:, None] * s_sr + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + rows[:, None] * d_sr + cols[None, :], fp8_saturate(x, INTERPRET), mask=ok)
+
+
+def copy_saturated(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst (fp8 [M, W], unit last stride) = src ([M, W], unit last stride) in fp8, saturating: one pass."""
+    M, W = src.shape
+    if not M:
+        return
+    interpret = _interpreting()
+    # (the interpreter writes fp32 rows as long as dst's, cast on the host)
+    out = torch.empty((M, dst.stride(0)), dtype=torch.float32, device=src.device)[:, :W] if interpret else dst
+    block_w = triton.next_power_of_2(W)
+    block_m = max(1, min(64, 4096 // block_w))
+    _saturate_kernel[(triton.cdiv(M, block_m),)](src, out, M, W, src.stride(0), out.stride(0), BLOCK_M=block_m,
+                                                 BLOCK_W=block_w, INTERPRET=interpret, num_warps=4)
+    if interpret:
+        dst.copy_(out.to(torch.float8_e4m3fn))

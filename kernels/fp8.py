@@ -146,6 +146,17 @@ def _spread(q: torch.Tensor, spare: int) -> torch.Tensor:
     return out
 
 
+def copy_saturated(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst (fp8 [M, W], maybe a strided view) = src [M, W] in e4m3, saturating at +-FP8_MAX: one pass on CUDA."""
+    if _device_supported(src.device) and src.stride(-1) == 1 and dst.stride(-1) == 1 \
+            and not torch.compiler.is_compiling():
+        from . import _fp8_triton
+
+        _fp8_triton.copy_saturated(src, dst)
+        return
+    dst.copy_(src.clamp(-FP8_MAX, FP8_MAX))
+
+
 def _device_supported(device: torch.device) -> bool:
     """Where the Triton passes and `torch._scaled_mm` run (elsewhere the eager twins); one check, as in the other
     kernel modules."""

@@ -139,7 +139,7 @@ class Side:
             mine = slice(b * per_row, (b + 1) * per_row)
             # x A^T c / s (s: the row's scale, which the GEMM multiplies back): unit row scales, A's scales times c
             xa = fp8_ops.rows_matmul(x.q[mine], self.a8[b], ones[:per_row], self.a8_scale[b], None)
-            extra[mine, b * width:(b + 1) * width].copy_(xa.clamp_(-fp8_ops.FP8_MAX, fp8_ops.FP8_MAX))
+            fp8_ops.copy_saturated(xa, extra[mine, b * width:(b + 1) * width])
         y = fp8_ops.rows_matmul(rows, self.weight[:, :k + columns], x.scale, layer.weight_scale, bias)
         return y.view(*x.shape[:-1], n)
 

@@ -129,6 +129,12 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     assert torch.equal(qw.float(), qf) and torch.equal(sw, s)
 q, s = T.quantize_rows(torch.zeros(0, 32), None, False)
 assert q.shape == (0, 32) and s.shape == (0, 1)
+# bf16 values into a strided fp8 block, saturating (an adapter's x A^T into its rows' spare columns)
+src = (torch.randn(37, 48) * 300).bfloat16()
+dst = torch.zeros(37, 100, dtype=torch.float8_e4m3fn)
+T.copy_saturated(src, dst[:, 20:68])
+assert torch.equal(dst[:, 20:68].float(), src.float().clamp(-448, 448).to(torch.float8_e4m3fn).float())
+assert not dst[:, :20].float().any() and not dst[:, 68:].float().any() and dst.float().abs().max() == 448
 print("fp8 quantization ok")
 """
 
