@@ -317,6 +317,94 @@ def test_an_adapter_too_strong_for_fp8_columns_goes_beside_the_layer_and_still_d
             assert (term - want).norm() / want.norm() < 0.05, name
 
 
+def test_a_wide_terms_factor_sits_between_what_b_and_x_a_need_and_a_rank_without_b_keeps_one() -> None:
+    """`_wide_term` by hand: rank j needs c >= max_n |B_jn| / (w_n 448) (B's fp8 columns) and c <= 1 / (H ||A_j||)
+    (x A^T's side), takes their geometric mean; equal bounds still fit, one past does not; a rank whose B is zero
+    keeps c = 1 (no 0/0). Would catch either bound or the mean changed, or a zero rank divided by zero."""
+    w = torch.tensor([0.5, 0.25])  # two output channels' weight scales
+    a = torch.tensor([[1.2, 1.6], [0.0, 0.5], [1.0, 0.0]])  # ||A_j|| = 2, 0.5, 1
+    bt = torch.tensor([[56.0, 0.0], [0.0, 7.0], [0.0, 0.0]])  # need = 56/0.5/448 = 0.25, 7/0.25/448 = 1/16, -
+    b8, c = adapter_slots._wide_term(a, bt, w)
+    room = 1 / (WIDE_HEADROOM * torch.tensor([2.0, 0.5, 1.0]))
+    assert room[0] >= 0.25 and room[1] >= 1 / 16
+    torch.testing.assert_close(c, torch.stack([(0.25 * room[0]).sqrt(), (room[1] / 16).sqrt(), torch.tensor(1.0)]))
+    torch.testing.assert_close(b8.float().t() * c[:, None] * w, bt, rtol=1 / 16, atol=0)
+    assert b8.shape == (2, 3) and b8.is_contiguous() and torch.isfinite(b8.float()).all()
+    at_edge = bt.clone()
+    at_edge[0, 0] = room[0] * 0.5 * 448  # need == room: fits, c == need
+    _, c_edge = adapter_slots._wide_term(a, at_edge, w)
+    torch.testing.assert_close(c_edge[0], room[0])
+    at_edge[0, 0] *= 1.01
+    assert adapter_slots._wide_term(a, at_edge, w) is None
+
+
+def test_a_weight_only_fp8_layer_keeps_its_adapters_beside_it() -> None:
+    """The AdaLN modulation layers (weight-only fp8: a few bf16 rows, no quantized input) cannot take columns in their
+    input: their adapters are added after the GEMV, and still draw right."""
+    from model.linear import FP8_WEIGHT_ONLY
+
+    g = torch.Generator().manual_seed(8)
+    layer = Linear.from_linears([nn.Linear(64, 48)]).to(torch.bfloat16).quantized(FP8_WEIGHT_ONLY)
+    parent = nn.Module()
+    parent.proj = layer
+    slots = AdapterSlots(parent, rank=16)
+    a, b = torch.randn(4, 64, generator=g) / 8, torch.randn(48, 4, generator=g) * 0.01
+    slots.add("ink", {"proj": (a, b, 1.0)})
+    assert not adapter_slots.wide_form(layer) and not layer.side.wide and layer.weight.is_contiguous()
+    x = torch.randn(1, 1, 64, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        base = layer(x)
+        slots.compose([(("ink", 1.0),)])
+        term = (layer(x) - base).double()[0]
+    want = (x[0].double() @ a.double().t()) @ b.double().t()
+    assert (term - want).norm() / want.norm() < 0.05
+
+
+def test_moving_layers_beside_zeroes_what_was_composed_and_keeps_every_adapter(monkeypatch) -> None:
+    """Two fp8 layers with a moderate adapter inside their GEMMs, composed once; then a strong adapter on one of
+    them moves that layer beside (its weight back to its own columns, captured graphs stale), and a batch naming only
+    the strong one leaves the other layer without any term (nothing left from the last batch), and `move_beside()`
+    moves the rest. Also: more rows than the shared column of ones holds. Would catch the move not zeroing the
+    buffers, dropping a layer's adapters, or the graphs not told."""
+    monkeypatch.setattr(adapter_slots, "ONES_PER_ROW", 2)
+    monkeypatch.setattr(adapter_slots, "_ONES", {})
+    g = torch.Generator().manual_seed(9)
+    parent = nn.Module()
+    parent.one = Linear.from_linears([nn.Linear(64, 32)]).to(torch.bfloat16).quantized(FP8)
+    parent.two = Linear.from_linears([nn.Linear(64, 32)]).to(torch.bfloat16).quantized(FP8)
+    slots = AdapterSlots(parent, rank=16)
+    mild = {name: (torch.randn(4, 64, generator=g) / 8, torch.randn(32, 4, generator=g) * 0.01, 1.0)
+            for name in ("one", "two")}
+    strong = (torch.randn(4, 64, generator=g), torch.randn(32, 4, generator=g), 1.0)
+    slots.add("mild", mild)
+    assert parent.one.side.wide and parent.two.side.wide
+    x = torch.randn(1, 6, 64, generator=g).to(torch.bfloat16)
+
+    def term(layer: Linear) -> torch.Tensor:
+        return (layer(x) - layer.quant.apply(layer, x, layer.bias)).double()[0]
+
+    def want(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (x[0].double() @ a.double().t()) @ b.double().t()
+
+    with torch.no_grad():
+        slots.compose([(("mild", 1.0),)])
+        for name in ("one", "two"):
+            got = term(getattr(parent, name))
+            assert (got - want(*mild[name][:2])).norm() < 0.15 * want(*mild[name][:2]).norm(), name
+        version = slots.version
+        slots.add("strong", {"one": strong})
+        assert slots.beside == {"one"} and not parent.one.side.wide and parent.two.side.wide
+        assert parent.one.weight.is_contiguous() and slots.version > version
+        slots.compose([(("strong", 1.0),)])
+        assert (term(parent.one) - want(*strong[:2])).norm() < 0.05 * want(*strong[:2]).norm()
+        assert torch.equal(parent.two(x), parent.two.quant.apply(parent.two, x, parent.two.bias))
+        slots.move_beside()
+        assert slots.beside == {"one", "two"} and not parent.two.side.wide and parent.two.weight.is_contiguous()
+        slots.compose([(("mild", 1.0),)])
+        got = term(parent.two)
+        assert (got - want(*mild["two"][:2])).norm() < 0.15 * want(*mild["two"][:2]).norm()
+
+
 @pytest.mark.parametrize("style", ["column", "row"])
 def test_a_sharded_layers_ranks_sum_to_the_whole_layer(style: str) -> None:
     """Two ranks' shards of a stacked column-parallel layer, or of a row-parallel one (whose partial products the
