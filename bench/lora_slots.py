@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.e2e import timed  # noqa: E402
+from kernels import switches  # noqa: E402
 from model.loading import load_pipeline  # noqa: E402
 from model.metrics import psnr  # noqa: E402
 from model.pipeline import GenerationRequest  # noqa: E402
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slot-rank", type=int, default=16, help="adapter_rank: the rank one image may use")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--no-in-gemm", dest="in_gemm", action="store_false",
+                    help="serve the adapters after each layer's GEMM (the switch adapters_in_fp8_gemm off)")
     ap.add_argument("--no-compare-beside", dest="compare_beside", action="store_false",
                     help="skip timing the adapters added after each GEMM instead of inside the fp8 GEMMs")
     ap.add_argument("--device", default="cuda")
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         pipe.disable_cuda_graphs()
     form = pipe.take_high_defaults()
     pipe.enable_adapter_slots(args.slot_rank, rows=4)
-    load_s, _ = timed(lambda: pipe.load_loras(files))
+    with switches.override(adapters_in_fp8_gemm=args.in_gemm):  # read as each layer's side is made
+        load_s, _ = timed(lambda: pipe.load_loras(files))
     graphs = pipe.enable_cuda_graphs() if args.device.startswith("cuda") else None
     print(f"built {args.model} in {build_s:.1f}s ({form}); 4 adapters loaded into slots in {load_s:.1f}s", flush=True)
 

@@ -11,7 +11,7 @@ sharded `model.linear.Linear` layers are not PEFT's to wrap. Here:
 - before each batch, each image's adapters (with the request's scales) are composed into per-layer buffers of a
   fixed shape (`Side`: [rows, parts x rank, K] and [rows, parts x rank, N]; zero past what a row uses), a few
   multi-tensor copies, skipped when the batch's adapters are the previous batch's;
-- an fp8 layer multiplies the terms inside its own GEMM: its weight gains `rows x width` columns past K holding
+- an fp8 layer (switch `adapters_in_fp8_gemm`) multiplies the terms inside its own GEMM: its weight gains `rows x width` columns past K holding
   each batch row's B (fp8, in the weight's own per-channel scales), and its input rows as many columns, where each
   image's rows get `x A^T` (quantized in the rows' own scales), so `[x | x A^T] [W | B]^T = x W^T + x A^T B^T` in
   one `torch._scaled_mm`: no second pass over the layer's output. (Each rank j of A, B is scaled by a factor c_j
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from kernels import fp8 as fp8_ops
+from kernels import switches
 from model.linear import Linear
 from model.request import adapter_rank_error
 
@@ -71,9 +72,20 @@ class _State:
     on: bool = False  # the batch has adapters: every side adds its rows' terms
 
 
+# Off until measured on a GPU (bench/lora_slots.py times both forms): read when a layer's side is made.
+IN_GEMM = switches.register("adapters_in_fp8_gemm", False,
+                            "fp8 layers take per-request adapters inside their GEMM (fp8 columns of the weight and "
+                            "the input) instead of after it")
+
+
+def fp8_rows_layer(layer: Linear) -> bool:
+    """An fp8 layer fed by quantized rows (not a weight-only one): it can take its adapters inside its GEMM."""
+    return layer.quant.fp8 and not layer.quant.weight_only
+
+
 def wide_form(layer: Linear) -> bool:
-    """Whether `layer` can take its adapters inside its own GEMM (an fp8 layer fed by quantized rows)."""
-    return layer.quant.fp8 and not getattr(layer.quant, "weight_only", False)
+    """Whether a side made for `layer` now takes its adapters inside the layer's GEMM (the switch on)."""
+    return IN_GEMM.value and fp8_rows_layer(layer)
 
 
 class Side:
@@ -260,7 +272,8 @@ class AdapterSlots:
         self.adapters[name] = _Adapter(rank, terms)
         for served, layer_terms in terms.items():
             layer = self.layers[served]
-            if any(term.wide is None for term in layer_terms) and wide_form(layer) and served not in self.beside:
+            wide = (layer.side.wide if layer.side is not None else wide_form(layer)) and served not in self.beside
+            if wide and any(term.wide is None for term in layer_terms):
                 logger.warning("adapter %r at %s does not fit fp8 columns beside the layer's weight: its adapters "
                                "are added after the layer's GEMM", name, served)
                 self.move_beside([served])
@@ -276,10 +289,10 @@ class AdapterSlots:
         strong for fp8 columns beside the weight (and for benchmarks, which compare the two forms)."""
         for served in self.layers if names is None else names:
             layer = self.layers[served]
-            if not wide_form(layer) or served in self.beside:
+            if not fp8_rows_layer(layer) or served in self.beside:
                 continue
             self.beside.add(served)
-            if layer.side is not None:
+            if layer.side is not None and layer.side.wide:
                 self._drop_side(layer)
                 layer.side = Side(layer, self.rows, self.rank, self.state, False)
 
@@ -327,7 +340,7 @@ class AdapterSlots:
         bt = torch.zeros(a.shape[0], layer.weight.shape[0], device=device, dtype=torch.float32)
         bt.index_copy_(1, local.to(device), b.t())
         wide = None
-        if wide_form(layer):
+        if fp8_rows_layer(layer):  # (whichever form its side takes: a side may be made or moved later)
             fit = _wide_term(a, bt, layer.weight_scale.flatten())
             wide = None if fit is None else _Wide(fit[0], a8_scale * fit[1])
         return _Term(part, a.to(dtype), bt.to(dtype), a8, a8_scale, wide)

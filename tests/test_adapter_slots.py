@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kernels import fp8 as fp8_ops
+from kernels import switches
 from model import adapter_slots
 from model.adapter_slots import WIDE_HEADROOM, AdapterSlots
 from model.linear import FP8, Column, Linear, Row, spare_columns
@@ -27,6 +28,14 @@ peft = pytest.importorskip("peft")
 from model.adapters import text_adapters  # noqa: E402
 from model.loading import load_pipeline  # noqa: E402
 from tests._inputs import write_random_lora  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _in_gemm():
+    """fp8 layers take their adapters inside their GEMM in these tests (the other form: `move_beside`, strong
+    adapters)."""
+    with switches.override(adapters_in_fp8_gemm=True):
+        yield
 
 
 def _ab(g: torch.Generator, k: int, n: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,6 +345,30 @@ def test_a_wide_terms_factor_sits_between_what_b_and_x_a_need_and_a_rank_without
     torch.testing.assert_close(c_edge[0], room[0])
     at_edge[0, 0] *= 1.01
     assert adapter_slots._wide_term(a, at_edge, w) is None
+
+
+def test_the_switch_decides_the_form_of_a_side_when_it_is_made() -> None:
+    """`adapters_in_fp8_gemm` off (the default): an fp8 layer's adapters go after its GEMM and its weight stays its
+    own; a side made while it was on stays inside the GEMM and takes adapters loaded after it is switched off. Would
+    catch the switch ignored, or a later adapter without its in-GEMM form."""
+    g = torch.Generator().manual_seed(10)
+    parent = nn.Module()
+    parent.one = Linear.from_linears([nn.Linear(64, 32)]).to(torch.bfloat16).quantized(FP8)
+    parent.two = Linear.from_linears([nn.Linear(64, 32)]).to(torch.bfloat16).quantized(FP8)
+    slots = AdapterSlots(parent, rank=16)
+    mild = [(torch.randn(4, 64, generator=g) / 8, torch.randn(32, 4, generator=g) * 0.01, 1.0) for _ in range(3)]
+    slots.add("a", {"one": mild[0]})  # (the module's fixture: switched on)
+    with switches.override(adapters_in_fp8_gemm=False):
+        assert switches.get("adapters_in_fp8_gemm") is False
+        slots.add("b", {"one": mild[1], "two": mild[2]})
+    assert parent.one.side.wide and not parent.two.side.wide and parent.two.weight.is_contiguous()
+    x = torch.randn(1, 6, 64, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, layer, (a, b, _) in (("b", parent.one, mild[1]), ("b", parent.two, mild[2])):
+            slots.compose([((name, 1.0),)])
+            got = (layer(x) - layer.quant.apply(layer, x, layer.bias)).double()[0]
+            want = (x[0].double() @ a.double().t()) @ b.double().t()
+            assert (got - want).norm() < 0.15 * want.norm()
 
 
 def test_a_weight_only_fp8_layer_keeps_its_adapters_beside_it() -> None:

@@ -1148,12 +1148,14 @@ def test_the_fp8_form_hands_each_adapter_layer_rows_with_the_room_it_needs(fp8_o
     their own input), and the adapters change the output. Would catch a producer not asked for room (the norms'
     consumers, the GELU pass's layer). (The arithmetic of a wide layer: tests/test_adapter_slots.py.)"""
     import model.adapter_slots as slots_mod
+    from kernels import switches
 
     m = _model(torch.bfloat16)
     m.fuse_qkv_projections()
     quantize_fp8(m)
     slots = slots_mod.AdapterSlots(m, rank=16, rows=2)
-    slots.add("ink", _adapter_everywhere(slots, torch.Generator().manual_seed(6)))
+    with switches.override(adapters_in_fp8_gemm=True):
+        slots.add("ink", _adapter_everywhere(slots, torch.Generator().manual_seed(6)))
     wide_layers = [layer for layer in slots.layers.values() if layer.side is not None and layer.side.wide]
     assert len(wide_layers) == 2 * 8 + 2 * 2  # double: q/k/v, out and FF up, down, per stream; single: 2
     seen: list[tuple[int, int]] = []
