@@ -1174,3 +1174,25 @@ def test_the_fp8_form_hands_each_adapter_layer_rows_with_the_room_it_needs(fp8_o
     assert len(seen) == len(wide_layers) and all(spare >= need for spare, need in seen if spare >= 0), seen
     assert sum(spare < 0 for spare, _ in seen) == 2 * 2, seen  # to_out and to_add_out of each double block
     assert _rel(wide, plain) > 1e-3
+
+
+def test_rows_with_spare_columns_are_fp8_views_of_wider_rows_and_say_how_many() -> None:
+    """`with_spare` and the eager quantization's `spare`: fp8 [M, K] views whose rows are K + spare long (the
+    default: contiguous), `Fp8Rows.spare` / `wide` read them back, and asking for more room than there is fails.
+    `copy_saturated` writes into such columns, saturating at both ends."""
+    q = fp8.with_spare(3, 32, 16, torch.device("cpu"))
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (3, 32) and q.stride() == (48, 1)
+    x = torch.randn(5, 32) * 10
+    plain, _ = fp8.quantize_rows_eager(x)
+    wide_q, scale = fp8.quantize_rows_eager(x, spare=16)
+    assert plain.is_contiguous() and fp8.Fp8Rows(plain, scale, x.shape).spare == 0
+    assert wide_q.dtype == torch.float8_e4m3fn and wide_q.stride() == (48, 1)
+    assert torch.equal(wide_q.float(), plain.float())
+    rows = fp8.Fp8Rows(wide_q, scale, x.shape)
+    assert rows.spare == 16 and rows.wide(16).shape == (5, 48) and rows.wide(16).data_ptr() == wide_q.data_ptr()
+    with pytest.raises(ValueError, match="17 spare columns asked of rows that have 16"):
+        rows.wide(17)
+    src = torch.tensor([[1000.0, -1000.0, 3.0, -0.5]] * 5).bfloat16()
+    fp8.copy_saturated(src, rows.wide(16)[:, 32:36])
+    assert rows.wide(16)[:, 32:36].float().tolist() == [[448.0, -448.0, 3.0, -0.5]] * 5
+    assert torch.equal(rows.q.float(), plain.float())  # the first K columns untouched
