@@ -11,7 +11,6 @@ import triton.language as tl
 from ._high_triton import fp8_saturate, ln_modulate_row
 from ._lossless_triton import _GELU_BETA, _GELU_KAPPA, _interpreting, libdevice
 from .cache import autotune
-from .fp8 import with_spare
 
 _FP8_MAX = 448.0
 _MIN_AMAX = 1e-12
@@ -122,26 +121,28 @@ _quant_rows_tuned = autotune(_CONFIGS, key=["KA", "KB", "GELU_B", "HAS_B", "GELU
 
 
 def quantize_rows(a: torch.Tensor, b: torch.Tensor | None, gelu_b: bool, gelu_from_max: bool = True,
-                  exp_tanh: bool = True, spare: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """a [M, Ka], b [M, Kb] or None (unit last strides) -> fp8 [M, Ka + Kb] (rows `spare` columns longer, those
-    unwritten), fp32 scale [M, 1].
+                  exp_tanh: bool = True, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [M, Ka], b [M, Kb] or None (unit last strides) -> fp8 [M, Ka + Kb] (into `out` when given: any row
+    stride), fp32 scale [M, 1].
     gelu_from_max=False: the amax pass applies the GELU per element; exp_tanh=False: the GELU's tanh from libdevice
     (the earlier kernels; benchmarks compare)."""
     M, KA = a.shape
     KB = 0 if b is None else b.shape[1]
     interpret = _interpreting()
-    q = with_spare(M, KA + KB, spare, a.device, torch.float32 if interpret else torch.float8_e4m3fn)
+    out = torch.empty((M, KA + KB), dtype=torch.float8_e4m3fn, device=a.device) if out is None else out
+    q = _host_rows(out) if interpret else out
     scale = torch.empty((M, 1), dtype=torch.float32, device=a.device)
     if M == 0:
-        return _interpreted(q), scale
+        return out, scale
     args = (a, a if b is None else b, q, scale, M, KA, KB, a.stride(0), 0 if b is None else b.stride(0), q.stride(0))
     meta = dict(GELU_B=bool(gelu_b), HAS_B=b is not None, BETA=_GELU_BETA, KAPPA=_GELU_KAPPA, INTERPRET=interpret,
                 GELU_FROM_MAX=bool(gelu_from_max), EXP_TANH=bool(exp_tanh))
     if interpret:  # no timing in the interpreter: two rows per program, blocks small enough to wrap
         _quant_rows_kernel[(triton.cdiv(M, 2),)](*args, ROWS=2, BLOCK=1024, **meta)
-        return _interpreted(q), scale
+        out.copy_(q)
+        return out, scale
     _quant_rows_tuned[lambda m: (triton.cdiv(M, m["ROWS"]),)](*args, **meta)
-    return q, scale
+    return out, scale
 
 
 @triton.jit
@@ -159,13 +160,14 @@ def _ln_modulate_quant_kernel(
     tl.store(q_ptr + out_row * q_sr + cols, fp8_saturate(y / qscale, INTERPRET), mask=mask)
 
 
-def ln_modulate_quantize(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                         eps: float, spare: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, S, D] (unit last stride), scale/shift [B, D] -> fp8 [B * S, D] (rows `spare` columns longer, those
-    unwritten), fp32 scale [B * S, 1]."""
+def ln_modulate_quantize(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float,
+                         out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, S, D] (unit last stride), scale/shift [B, D] -> fp8 [B * S, D] (into `out` when given: any row
+    stride), fp32 scale [B * S, 1]."""
     B, S, D = x.shape
     interpret = _interpreting()
-    q = with_spare(B * S, D, spare, x.device, torch.float32 if interpret else torch.float8_e4m3fn)
+    out = torch.empty((B * S, D), dtype=torch.float8_e4m3fn, device=x.device) if out is None else out
+    q = _host_rows(out) if interpret else out
     qscale = torch.empty((B * S, 1), dtype=torch.float32, device=x.device)
     if B * S:
         block = triton.next_power_of_2(D)
@@ -173,15 +175,15 @@ def ln_modulate_quantize(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
             x, scale, shift, q, qscale, S, D, x.stride(0), x.stride(1), scale.stride(0), shift.stride(0),
             q.stride(0), eps, BLOCK_N=block, INTERPRET=interpret, num_warps=max(1, min(8, block // 512)),
         )
-    return _interpreted(q) if interpret else q, qscale
+    if interpret:
+        out.copy_(q)
+    return out, qscale
 
 
-def _interpreted(q: torch.Tensor) -> torch.Tensor:
-    """The interpreter's fp32 rows (it stores no fp8) as fp8, spare columns kept."""
-    if q.dtype == torch.float8_e4m3fn or not q.numel():
-        return q.to(torch.float8_e4m3fn)
-    wide = q.as_strided((q.shape[0], q.stride(0)), (q.stride(0), 1))
-    return wide.to(torch.float8_e4m3fn)[:, :q.shape[1]]
+def _host_rows(out: torch.Tensor) -> torch.Tensor:
+    """fp32 rows shaped and strided as `out`, for the interpreter to write (it stores no fp8; the host casts)."""
+    return torch.empty((out.shape[0], max(out.stride(0), out.shape[1])), dtype=torch.float32,
+                       device=out.device)[:, :out.shape[1]]
 
 
 @triton.jit
@@ -260,8 +262,7 @@ def copy_saturated(src: torch.Tensor, dst: torch.Tensor) -> None:
     if not M:
         return
     interpret = _interpreting()
-    # (the interpreter writes fp32 rows as long as dst's, cast on the host)
-    out = torch.empty((M, dst.stride(0)), dtype=torch.float32, device=src.device)[:, :W] if interpret else dst
+    out = _host_rows(dst) if interpret else dst
     block_w = triton.next_power_of_2(W)
     block_m = max(1, min(64, 4096 // block_w))
     _saturate_kernel[(triton.cdiv(M, block_m),)](src, out, M, W, src.stride(0), out.stride(0), BLOCK_M=block_m,

@@ -184,7 +184,8 @@ def quantize_rows(a: torch.Tensor, b: torch.Tensor | None = None, gelu_b: bool =
         return quantize_rows_eager(a2, b2, gelu_b, spare)
     from . import _fp8_triton
 
-    return _fp8_triton.quantize_rows(a2, b2, gelu_b, spare=spare)
+    out = with_spare(a2.shape[0], a2.shape[1] + (0 if b2 is None else b2.shape[1]), spare, a2.device)
+    return _fp8_triton.quantize_rows(a2, b2, gelu_b, out=out)
 
 
 def weight_only_linear_eager(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

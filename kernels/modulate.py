@@ -110,13 +110,14 @@ def layer_norm_modulate(
     its rows `spare` columns longer (`Fp8Rows.spare`).
     """
     if fp8:  # the fast kernel's row, quantized instead of rounded: the same support rule
-        from .fp8 import Fp8Rows, layer_norm_modulate_fp8_eager
+        from .fp8 import Fp8Rows, layer_norm_modulate_fp8_eager, with_spare
 
         if not _fast_supported(x, scale, shift):
             return layer_norm_modulate_fp8_eager(x, scale, shift, eps, spare)
         from . import _fp8_triton
 
-        return Fp8Rows(*_fp8_triton.ln_modulate_quantize(x, scale, shift, eps, spare=spare), x.shape)
+        out = with_spare(x.shape[0] * x.shape[1], x.shape[2], spare, x.device)
+        return Fp8Rows(*_fp8_triton.ln_modulate_quantize(x, scale, shift, eps, out=out), x.shape)
     if fast and _fast_supported(x, scale, shift):
         from . import _high_triton
 

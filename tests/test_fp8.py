@@ -101,7 +101,7 @@ def test_eager_quantization_of_two_parts_shares_one_scale_and_applies_the_gelu()
 _QUANT_PROBE = r"""
 import torch
 from kernels import _fp8_triton as T
-from kernels.fp8 import quantize_rows_eager
+from kernels.fp8 import quantize_rows_eager, with_spare
 torch.manual_seed(0)
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     base = torch.randn(9, 3000 + 48) * 3
@@ -124,7 +124,7 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
             one_step = (qf - qef).abs() <= torch.maximum(qf.abs(), qef.abs()) * 2.0 ** -3 + 2.0 ** -9
             assert one_step[diff].all()
     # rows left 40 columns longer (spare, for adapter inputs): the same values in the first K, a longer row stride
-    qw, sw = T.quantize_rows(a, b, True, spare=40)
+    qw, sw = T.quantize_rows(a, b, True, out=with_spare(a.shape[0], q.shape[1], 40, a.device))
     assert qw.shape == q.shape and qw.stride() == (q.shape[1] + 40, 1) and qw.dtype == torch.float8_e4m3fn
     assert torch.equal(qw.float(), qf) and torch.equal(sw, s)
 q, s = T.quantize_rows(torch.zeros(0, 32), None, False)
@@ -148,7 +148,7 @@ def test_quantization_kernel_in_the_interpreter_equals_its_eager_twin() -> None:
 _LN_QUANT_PROBE = r"""
 import torch
 from kernels import _fp8_triton as T
-from kernels.fp8 import layer_norm_modulate_fp8_eager
+from kernels.fp8 import layer_norm_modulate_fp8_eager, with_spare
 torch.manual_seed(0)
 for dtype in (torch.bfloat16, torch.float16):
     base = torch.randn(2, 5, 40 + 200) * 3
@@ -165,7 +165,7 @@ for dtype in (torch.bfloat16, torch.float16):
     assert diff.float().mean() < 2e-3, (dtype, int(diff.sum()))
     assert ((qf - qef).abs() <= torch.maximum(qf.abs(), qef.abs()) * 2.0 ** -3 + 2.0 ** -9)[diff].all()
     assert (qf[7] == 0).all() and s[7].item() == (torch.tensor(1e-12) / 448.0).item()  # fp32
-    qw, sw = T.ln_modulate_quantize(x, scale, shift, 1e-6, spare=16)  # rows 16 columns longer, the same values
+    qw, sw = T.ln_modulate_quantize(x, scale, shift, 1e-6, out=with_spare(10, 200, 16, x.device))  # longer rows
     assert qw.shape == (10, 200) and qw.stride() == (216, 1) and torch.equal(qw.float(), qf) and torch.equal(sw, s)
 print("fp8 layer norm ok")
 """

@@ -155,8 +155,8 @@ def test_layer_norm_modulate_hands_each_kernel_its_operands_and_eps(as_cuda, mon
     eps = 1e-6
     exact = Spy(lambda a, sc, sh, e: modulate.layer_norm_modulate_eager(a, sc, sh, e))
     fast = Spy(lambda a, sc, sh, e: modulate.layer_norm_modulate_eager(a, sc, sh, e))
-    quant = Spy(lambda a, sc, sh, e, spare=0: (lambda r: (r.q, r.scale))(
-        layer_norm_modulate_fp8_eager(a, sc, sh, e, spare)))
+    quant = Spy(lambda a, sc, sh, e, out: (lambda r: (out.copy_(r.q), r.scale))(
+        layer_norm_modulate_fp8_eager(a, sc, sh, e)))
     monkeypatch.setattr(_lossless_triton, "ln_modulate_exact", exact)
     monkeypatch.setattr(_high_triton, "ln_modulate_fast", fast)
     monkeypatch.setattr(_fp8_triton, "ln_modulate_quantize", quant)
@@ -176,7 +176,8 @@ def test_layer_norm_modulate_hands_each_kernel_its_operands_and_eps(as_cuda, mon
     assert len(quant.calls) == 1 and same(quant.calls[0][0], (x, scale, shift, eps))
     assert len(fast.calls) == 1 and len(exact.calls) == 1
     rows = modulate.layer_norm_modulate(x, scale, shift, eps, fp8=True, spare=32)  # rows with room for adapters
-    assert quant.calls[1][1] == {"spare": 32} and rows.spare == 32 and torch.equal(rows.q.float(), want.q.float())
+    assert quant.calls[1][1]["out"].stride(0) == x.shape[2] + 32 and rows.spare == 32
+    assert torch.equal(rows.q.float(), want.q.float())
 
 
 def test_layer_norm_modulate_takes_its_twins_where_the_fast_passes_do_not_apply(as_cuda, monkeypatch) -> None:
@@ -214,11 +215,11 @@ def test_quantize_rows_hands_its_pass_both_parts_as_rows_and_the_gelu_flag(fp8_a
     g = torch.Generator().manual_seed(3)
     a = torch.randn(2, 3, 16, generator=g).to(torch.bfloat16)
     b = torch.randn(2, 3, 32, 2, generator=g).to(torch.bfloat16)[..., 0]  # strided: made unit-strided rows first
-    spy = Spy(fp8.quantize_rows_eager)
+    spy = Spy(lambda a, b, gelu, out: (lambda q, s: (out.copy_(q), s))(*fp8.quantize_rows_eager(a, b, gelu)))
     monkeypatch.setattr(_fp8_triton, "quantize_rows", spy)
     q, scale = fp8.quantize_rows(a, b, gelu_b=gelu_b)
-    (ga, gb, gflag), _ = spy.calls[0]
-    assert len(spy.calls) == 1 and gflag is gelu_b
+    (ga, gb, gflag), kw = spy.calls[0]
+    assert len(spy.calls) == 1 and gflag is gelu_b and kw["out"].shape == (6, 48) and kw["out"].is_contiguous()
     assert ga.shape == (6, 16) and gb.shape == (6, 32) and gb.stride(-1) == 1
     assert torch.equal(ga, a.reshape(6, 16)) and torch.equal(gb, b.reshape(6, 32))
     want_q, want_s = fp8.quantize_rows_eager(a.reshape(6, 16), b.reshape(6, 32), gelu_b)
