@@ -17,6 +17,8 @@ High tier (not bit-exact):
 - `fp8.scaled_mm`               e4m3 rows x e4m3 weights (per-row / per-channel scales), bf16 out (kernels/fp8.py)
 - `fp8.weight_only_linear`      a few bf16 rows against an fp8 weight (the AdaLN modulation)    (kernels/_fp8_triton.py)
 - `fp8.quantize_rows`           per-row fp8 quantization of `[a | gelu(b)]` in one pass        (kernels/_fp8_triton.py)
+                                (its rows may be longer than K: `fp8.Fp8Rows.spare`, room for adapter inputs)
+- `fp8.copy_saturated`          values into (strided) fp8 columns, saturating, in one pass      (kernels/_fp8_triton.py)
 - `layer_norm_modulate(..., fp8=True)`  LayerNorm + modulation quantized per row in the same pass (`fp8.Fp8Rows`)
 - `attention.attention(..., fp8=True)`  int8 Q K^T, fp8 P V (kernels/_attention_fp8_triton.py); SDPA where refused
 - `rope.rms_rope_cat(..., fast=True)`  QK RMSNorm + RoPE in one non-exact pass (kernels/_high_triton.py)
