@@ -481,6 +481,37 @@ def test_a_sharded_layers_ranks_sum_to_the_whole_layer(style: str) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_column_parallel_fp8_layers_ranks_take_their_b_columns_inside_their_own_gemm() -> None:
+    """Two ranks of a column-parallel fp8 layer, each with the adapter inside its GEMM (its share of B as its
+    weight's extra columns, its own factors c): their outputs side by side are the unsharded fp8 layer's with the
+    adapter (the same quantized x and W; only the factors differ), far closer than to the layer without it. Would
+    catch a rank keeping another rank's B columns or none."""
+    g = torch.Generator().manual_seed(11)
+    k, n = 64, 32
+    src = nn.Linear(k, n).to(torch.bfloat16)
+    a, b = torch.randn(4, k, generator=g) / 8, torch.randn(n, 4, generator=g) * 0.01
+    x = torch.randn(1, 6, k, generator=g).to(torch.bfloat16)
+
+    def build(parallel):
+        parent = nn.Module()
+        layer = Linear.from_linears([src])
+        parent.proj = (layer if parallel is None else layer.sharded(parallel)).quantized(FP8)
+        slots = AdapterSlots(parent, rank=16)
+        slots.add("ink", {"proj": (a, b, 1.0)})
+        slots.compose([(("ink", 1.0),)])
+        assert parent.proj.side.wide
+        return parent.proj
+
+    whole = build(None)
+    with torch.no_grad():
+        want = whole(x).double()
+        base = whole.quant.apply(whole, x, whole.bias).double()
+        shards = [build(Column(r, 2, None)) for r in range(2)]
+        assert all(s.weight.shape == (n // 2, k) for s in shards)
+        got = torch.cat([s(x).double() for s in shards], -1)
+    assert (got - want).norm() < 0.2 * (want - base).norm()
+
+
 def test_refusals_say_why() -> None:
     model = _Parent()
     slots = AdapterSlots(model, rank=16)
