@@ -11,8 +11,8 @@ sharded `model.linear.Linear` layers are not PEFT's to wrap. Here:
 - before each batch, each image's adapters (with the request's scales) are composed into per-layer buffers of a
   fixed shape (`Side`: [rows, parts x rank, K] and [rows, parts x rank, N]; zero past what a row uses), a few
   multi-tensor copies, skipped when the batch's adapters are the previous batch's;
-- an fp8 layer (switch `adapters_in_fp8_gemm`) multiplies the terms inside its own GEMM: its weight gains `rows x width` columns past K holding
-  each batch row's B (fp8, in the weight's own per-channel scales), and its input rows as many columns, where each
+- an fp8 layer (switch `adapters_in_fp8_gemm`) multiplies the terms inside its own GEMM: its weight gains
+  `rows x width` columns past K holding each batch row's B (fp8, in the weight's own per-channel scales), and its input rows as many columns, where each
   image's rows get `x A^T` (quantized in the rows' own scales), so `[x | x A^T] [W | B]^T = x W^T + x A^T B^T` in
   one `torch._scaled_mm`: no second pass over the layer's output. (Each rank j of A, B is scaled by a factor c_j
   moved from B to x A^T so that both fit fp8, `_wide_term`; an adapter too strong for that range beside its
@@ -293,20 +293,18 @@ class AdapterSlots:
                 continue
             self.beside.add(served)
             if layer.side is not None and layer.side.wide:
-                self._drop_side(layer)
+                # every buffer written so far is zeroed first, as the plans (views of the old buffers) go
+                with torch.no_grad():
+                    self._zero_written()
+                    layer.weight = nn.Parameter(layer.weight.contiguous(), requires_grad=False)  # its own K columns
                 layer.side = Side(layer, self.rows, self.rank, self.state, False)
+                self._plans, self._written, self._composed = {}, [], None
+                self.version += 1
 
-    def _drop_side(self, layer: Linear) -> None:
-        """Take a layer's side away (its weight back to its own K columns); every buffer written so far is zeroed
-        first, as the plans (views of the old buffers) go."""
-        with torch.no_grad():
-            for group, _ in _by_dtype(self._written, self._written).values():
-                torch._foreach_zero_(group)
-            if layer.side.wide:
-                layer.weight = nn.Parameter(layer.weight.contiguous(), requires_grad=False)
-        layer.side = None
-        self._plans, self._written, self._composed = {}, [], None
-        self.version += 1
+    def _zero_written(self) -> None:
+        """Zero what the last fill wrote: bytes of contiguous regions, and the weights' strided columns."""
+        for group, _ in _by_dtype(self._written, self._written).values():
+            torch._foreach_zero_(group)
 
     def remove(self, name: str) -> None:
         if name not in self.adapters:
@@ -449,8 +447,7 @@ class AdapterSlots:
                 written += plan.zero
                 offset += self.adapters[name].rank
         with torch.no_grad():
-            for group, _ in _by_dtype(self._written, self._written).values():
-                torch._foreach_zero_(group)  # bytes: a list of contiguous regions, and the weights' strided columns
+            self._zero_written()
             # one list per dtype (bf16 A and B^T rows, fp8 A as bytes, fp32 fp8 scales): a list mixing dtypes takes
             # the per-tensor path on CUDA
             for group_dst, group_src in _by_dtype(dst, src).values():
@@ -476,7 +473,8 @@ def _wide_term(a: torch.Tensor, bt: torch.Tensor,
     """A term (A [r, K], B^T [r, N], fp32) inside the GEMM of an fp8 weight with channel scales `weight_scale` [N]:
     the weight's columns B[n, j] / (c_j w_n) and the input's x A_j^T c_j / s (s the row's scale, max|x| / 448). Each
     c_j lies between the least that keeps the B column within fp8 and the most that keeps x A_j^T's side within
-    FP8_MAX / WIDE_HEADROOM by the estimate |x A_j^T| <= max|x| ||A_j||, at their geometric mean. Returns (fp8 [N, r], c [r]); None when there is no such c."""
+    FP8_MAX / WIDE_HEADROOM by the estimate |x A_j^T| <= max|x| ||A_j||, at their geometric mean. Returns
+    (fp8 [N, r], c [r]); None when there is no such c."""
     need = (bt.abs() / weight_scale).amax(dim=1) / fp8_ops.FP8_MAX  # c at least this
     room = 1.0 / (WIDE_HEADROOM * a.norm(dim=1).clamp(min=1e-30))  # and at most this
     used = need > 0
