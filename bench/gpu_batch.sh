@@ -11,7 +11,8 @@
 # $OUT/mut.tar.gz; mutmut among the wheels), perf (bench/high.py: the served high form against diffusers and
 # lossless at 1024x1024, 28 steps, PERF_ARGS added), toy (the toy preset trained on at every size for TOY_SECONDS, from
 # the shipped weights or the folder TOY_RESUME (an earlier call's toy.tar.gz, unpacked and carried), at TOY_SIZES,
-# its whole VAE first for TOY_VAE_SECONDS (TOY_VAE_FLAGS="" tunes the decoder only), then its adherence at
+# its whole VAE first for TOY_VAE_SECONDS (TOY_VAE_FLAGS="" tunes the decoder only), the extent head's loss weighted
+# TOY_EXTENT (0: off), then its adherence at
 # TOY_ADHERE_SIZES; the folder comes back as $OUT/toy.tar.gz). Packages the machine lacks can come as a tarball of
 # a site folder (SITE_TAR, e.g. from a Ray Serve build) and a folder of wheels (WHEELS), installed into /tmp/site
 # first.
@@ -104,7 +105,8 @@ for part in ${PARTS:-}; do
     toy) # shellcheck disable=SC2086  # size lists
          python3 -m model.toy.train --resume "${TOY_RESUME:-model/toy/flux-toy}" --out /tmp/toy \
            --report "$OUT/toy-train.json" --transformer-seconds "${TOY_SECONDS:-330}" --batch 128 --precision fp32 \
-           --probe-weight 0.03 --lr "${TOY_LR:-3e-4}" --warmup 200 --tokens-per-size 4000000 \
+           --probe-weight 0.03 --extent-weight "${TOY_EXTENT:-0.1}" --lr "${TOY_LR:-3e-4}" --warmup 200 \
+           --tokens-per-size 4000000 \
            --tune-decoder-seconds "${TOY_VAE_SECONDS:-0}" ${TOY_VAE_FLAGS---tune-encoder} \
            --sizes ${TOY_SIZES:-$TOY_ALL} --vae-sizes ${TOY_SIZES:-$TOY_ALL} \
          && tar -czf "$OUT/toy.tar.gz" -C /tmp toy \

@@ -335,9 +335,10 @@ def test_training_at_several_sizes_draws_each_and_states_them(tmp_path: Path) ->
     sizes = ["256x256", "384x256", "256x384"]
     assert main(["--device", "cpu", "--resume", str(SHIPPED["toy"]), "--transformer-steps", "6",
                  "--transformer-seconds", "600", "--scenes", "100", "--tokens-per-size", "8000", "--batch", "4",
-                 "--precision", "fp32", "--out", str(tmp_path), "--sizes", *sizes]) == 0
+                 "--precision", "fp32", "--out", str(tmp_path), "--sizes", *sizes, "--extent-weight", "0.1"]) == 0
     report = json.loads((tmp_path / "train.json").read_text())
     assert report["transformer_steps"] == 6 and sum(report["steps_by_size"].values()) == 6
+    assert report["extent_weight"] == 0.1 and 0 < report["extent_final_loss"] < 10
     assert set(report["scenes_by_size"]) == set(sizes) and report["scenes_by_size"]["256x256"] == 8000 // 256
     assert trained_sizes(str(tmp_path)) == sizes
     pipe = load_pipeline(str(tmp_path), device="cpu", dtype=torch.float32)
@@ -348,6 +349,45 @@ def test_training_at_several_sizes_draws_each_and_states_them(tmp_path: Path) ->
     import io
 
     assert Image.open(io.BytesIO(out.png)).size == (384, 256)
+
+
+def test_the_extent_head_reads_each_tokens_place_as_fractions_of_the_sides_after_the_double_blocks() -> None:
+    """The extent loss of a head answering (0.5, 0.5) everywhere is the mean squared distance of FluxPipeline's
+    token centres, as fractions of a wide image's sides, from the middle (worked out here from the grid alone), and
+    its gradient reaches the double blocks but no single block (the head reads the image stream between them).
+    Catches fractions of the wrong side (rows over the width), corners instead of centres, or the head hooked
+    elsewhere (the model's output, a single block)."""
+    import torch
+    from diffusers import FluxPipeline
+
+    from model.toy.scenes import PLACES
+    from model.toy.train import T5_TOKENS, Trainee, build_text
+
+    torch.manual_seed(0)
+    trainee = Trainee(build_text("cpu"))
+    with torch.no_grad():
+        trainee.extent.weight.zero_()
+        trainee.extent.bias.fill_(0.5)
+    rows, cols = 3, 5  # a 80x48 latent grid's 5x3 tokens: wider than high
+    img_ids = FluxPipeline._prepare_latent_image_ids(1, rows, cols, "cpu", torch.float32)
+    x0 = torch.randn(2, rows * cols, 64)
+    ids = torch.zeros(2, 77, dtype=torch.long), torch.zeros(2, T5_TOKENS, dtype=torch.long)
+    cells = len(PLACES)
+    targets = {"colour": torch.zeros(2, cells, dtype=torch.long), "kind": torch.full((2, cells), -100),
+               "size": torch.full((2, cells), -100), "background": torch.zeros(2, dtype=torch.long)}
+    _, _, extent = trainee.losses(x0, *ids, targets, torch.randn_like(x0), torch.full((2,), 0.5), img_ids,
+                                  torch.zeros(T5_TOKENS, 3))
+    by_hand = sum(((r + 0.5) / rows - 0.5) ** 2 + ((c + 0.5) / cols - 0.5) ** 2
+                  for r in range(rows) for c in range(cols)) / (2 * rows * cols)
+    assert abs(extent.item() - by_hand) < 1e-6, (extent.item(), by_hand)
+    trainee.extent.weight.data.normal_()  # (a zero weight passes no gradient back)
+    _, _, extent = trainee.losses(x0, *ids, targets, torch.randn_like(x0), torch.full((2,), 0.5), img_ids,
+                                  torch.zeros(T5_TOKENS, 3))
+    extent.backward()
+    reached = lambda blocks: any(p.grad is not None and p.grad.abs().sum() > 0 for p in blocks.parameters())  # noqa: E731
+    assert reached(trainee.transformer.transformer_blocks[-1])
+    assert not any(reached(b) for b in trainee.transformer.single_transformer_blocks)
+    assert not reached(trainee.transformer.proj_out)
 
 
 def test_the_vae_trains_at_each_size_it_is_given(monkeypatch) -> None:

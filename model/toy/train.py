@@ -15,7 +15,9 @@
    vector of "red" hardly depends on which shape it names), and FLUX gives text tokens no position, so the
    transformer could not tell which colour goes with which shape. A small probe that reads the scene back from
    T5's tokens (per grid cell: colour, kind, size; and the background) adds an auxiliary loss on the T5, so the
-   encoder learns the binding early; the probe is not part of the pipeline.
+   encoder learns the binding early; the probe is not part of the pipeline. At several sizes (`--sizes`), an
+   extent head (`Trainee`, `--extent-weight`) asks the image stream after the double blocks for each token's place
+   as fractions of the image's sides, which a caption's places are.
 4. The pipeline saved in diffusers format (float16 weights, the exponential moving average of the trained ones),
    loaded later by `model.loading.load_pipeline` like any FLUX.1 folder.
 
@@ -341,8 +343,21 @@ def _attention_backends(name: str) -> Any:
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
 
 
+def extent_targets(img_ids: torch.Tensor) -> torch.Tensor:
+    """[tokens, 2]: each image token's centre as fractions of the image's height and width (what the extent head
+    reads from the image stream), from FluxPipeline's image ids (0, row, column)."""
+    rows, cols = img_ids[:, 1].max() + 1, img_ids[:, 2].max() + 1
+    return torch.stack([(img_ids[:, 1] + 0.5) / rows, (img_ids[:, 2] + 0.5) / cols], dim=-1)
+
+
 class Trainee(nn.Module):
-    """Everything that trains in stage 3: the transformer, both text encoders and the T5 probe."""
+    """Everything that trains in stage 3: the transformer, both text encoders, the T5 probe and the extent head.
+
+    The extent head (training only, like the probe) reads each image token's place as fractions of the image's
+    sides from the image stream after the double blocks. FLUX's RoPE and the text tokens at position zero tell a
+    token where it is in tokens, not how large the image is; a caption's "right third" is a fraction of the width,
+    so a model that draws at several sizes has to work the extent out from attention over the whole image. The
+    head's loss asks for that early instead of leaving it to the flow loss alone (`--extent-weight`; 0: off)."""
 
     def __init__(self, text: dict[str, Any]) -> None:
         from diffusers import FluxTransformer2DModel
@@ -351,22 +366,33 @@ class Trainee(nn.Module):
         self.transformer = FluxTransformer2DModel(**TRANSFORMER)
         self.clip, self.t5 = text["text_encoder"], text["text_encoder_2"]
         self.probe = SceneProbe(T5["d_model"])
+        # made last: the random streams of everything above are those of runs made before the head existed
+        self.extent = nn.Linear(self.transformer.inner_dim, 2)
 
     def losses(self, x0: torch.Tensor, clip_ids: torch.Tensor, t5_ids: torch.Tensor, targets: dict[str, torch.Tensor],
                noise: torch.Tensor, sigma: torch.Tensor, img_ids: torch.Tensor, txt_ids: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(flow loss, T5 probe loss, extent loss)."""
         seq, pooled = encode_ids({"text_encoder": self.clip, "text_encoder_2": self.t5}, clip_ids, t5_ids)
         xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
-        pred = self.transformer(hidden_states=xt, encoder_hidden_states=seq, pooled_projections=pooled,
-                                timestep=sigma, img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]
-        return F.mse_loss(pred.float(), noise - x0), probe_loss(self.probe(seq), targets)
+        kept: list[torch.Tensor] = []
+        # a double block returns (text stream, image stream)
+        hook = self.transformer.transformer_blocks[-1].register_forward_hook(lambda m, a, out: kept.append(out[1]))
+        try:
+            pred = self.transformer(hidden_states=xt, encoder_hidden_states=seq, pooled_projections=pooled,
+                                    timestep=sigma, img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]
+        finally:
+            hook.remove()
+        where = self.extent(kept[-1]).float()
+        extent = F.mse_loss(where, extent_targets(img_ids).to(where).expand_as(where))
+        return F.mse_loss(pred.float(), noise - x0), probe_loss(self.probe(seq), targets), extent
 
 
 def train_transformer(trainee: Trainee, buckets: list[Bucket], clip_ids: torch.Tensor, t5_ids: torch.Tensor,
                       targets: dict[str, torch.Tensor], device: str, seconds: float, batch: int, seed: int,
                       precision: str = "fp32", attention: str = "default", probe_weight: float = 0.1,
                       ema_decay: float = 0.999, max_steps: int | None = None, lr: float = 6e-4,
-                      warmup: int = 300) -> dict[str, Any]:
+                      warmup: int = 300, extent_weight: float = 0.0) -> dict[str, Any]:
     """Train `trainee` in place for `seconds` (or `max_steps`); its weights end as their moving average. Each step
     draws one size (by the buckets' weights) and about `batch` x 256 image tokens of it: batch x 256 / tokens
     images, so every step costs about the same."""
@@ -384,7 +410,7 @@ def train_transformer(trainee: Trainee, buckets: list[Bucket], clip_ids: torch.T
     g = torch.Generator(device).manual_seed(seed)
     pick = torch.Generator().manual_seed(seed)
     weights = torch.tensor([b.weight for b in buckets])
-    t0, step, flow_hist, probe_hist = time.time(), 0, [], []
+    t0, step, flow_hist, probe_hist, extent_hist = time.time(), 0, [], [], []
     flow_by_size: dict[str, list[float]] = {b.size: [] for b in buckets}
     steps_by_size = {b.size: 0 for b in buckets}
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -398,9 +424,10 @@ def train_transformer(trainee: Trainee, buckets: list[Bucket], clip_ids: torch.T
         noise = torch.randn(x0.shape, device=device, generator=g)
         sigma = shifted_sigmas(torch.sigmoid(torch.randn(rows, device=device, generator=g)), b.height, b.width)
         with autocast, _attention_backends(attention):
-            flow, probe = trainee.losses(x0, clip_ids[idx], t5_ids[idx], {k: v[idx] for k, v in targets.items()},
-                                         noise, sigma, img_ids[k], txt_ids)
-            loss = flow + probe_weight * probe
+            flow, probe, extent = trainee.losses(x0, clip_ids[idx], t5_ids[idx],
+                                                 {k: v[idx] for k, v in targets.items()}, noise, sigma, img_ids[k],
+                                                 txt_ids)
+            loss = flow + probe_weight * probe + extent_weight * extent
         steps_by_size[b.size] += 1
         if steps_by_size[b.size] % 20 == 0:
             flow_by_size[b.size].append(flow.item())
@@ -416,9 +443,10 @@ def train_transformer(trainee: Trainee, buckets: list[Bucket], clip_ids: torch.T
         if step % 50 == 0:
             flow_hist.append(flow.item())
             probe_hist.append(probe.item())
+            extent_hist.append(extent.item())
         if step % 1000 == 0:
             print(f"transformer step {step}: flow {flow.item():.4f} probe {probe.item():.4f} "
-                  f"({time.time() - t0:.0f} s)", flush=True)
+                  f"extent {extent.item():.4f} ({time.time() - t0:.0f} s)", flush=True)
         step += 1
     with torch.no_grad():
         for p, e in zip(params, ema):
@@ -430,6 +458,7 @@ def train_transformer(trainee: Trainee, buckets: list[Bucket], clip_ids: torch.T
 
     return {"transformer_steps": step, "transformer_seconds": time.time() - t0,
             "transformer_final_loss": tail(flow_hist), "probe_final_loss": tail(probe_hist),
+            "extent_final_loss": tail(extent_hist), "extent_weight": extent_weight,
             "transformer_params": sum(p.numel() for p in trainee.transformer.parameters()),
             "precision": precision, "attention": attention, "steps_by_size": steps_by_size,
             "final_loss_by_size": {k: tail(v) if v else None for k, v in flow_by_size.items()}}
@@ -514,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=300, help="learning-rate warm-up steps")
     ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
     ap.add_argument("--probe-weight", type=float, default=0.1)
+    ap.add_argument("--extent-weight", type=float, default=0.0,
+                    help="weight of the extent head's loss (each image token's place as fractions of the sides)")
     ap.add_argument("--resume", default=None, help="a folder this script wrote: keep its VAE and tokenizers, and go "
                     "on training its transformer and text encoders")
     ap.add_argument("--report", default=None, help="JSON with the training figures (default: <out>/train.json)")
@@ -568,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         report.update(train_transformer(trainee, buckets, clip_ids.to(a.device), t5_ids.to(a.device), targets,
                                         a.device, a.transformer_seconds, a.batch, a.seed + 3, precision, attention,
-                                        a.probe_weight, max_steps=a.transformer_steps, lr=a.lr, warmup=a.warmup))
+                                        a.probe_weight, max_steps=a.transformer_steps, lr=a.lr, warmup=a.warmup,
+                                        extent_weight=a.extent_weight))
         del buckets
     pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae.to(torch.float16),
                         transformer=trainee.transformer.to(torch.float16),
