@@ -3,8 +3,9 @@ PEFT adapters (one graph per adapter set), then the high pool's served form with
 (model/adapter_slots.py) beside fp8 layers and fused projections.
 
 One process, one set of weights (default: flux-dev-random, FLUX.1-dev architecture, random bf16 weights),
-1024x1024. First lossless (PEFT): `lossless` without and `lossless_lora` with one adapter, graphed, and the graphed
-adapter image against the eager one (PNG bytes). Then the same pipeline, its PEFT adapters unloaded, converted to the
+1024x1024. First lossless (PEFT): `lossless` without and `lossless_lora` with one adapter (each term through the
+fused tail, model/peft_tail.py), `lossless_lora_peft` the same with the tail switched off (PEFT's three kernels per
+term), graphed, and the graphed adapter image against the eager one and against PEFT's (PNG bytes). Then the same pipeline, its PEFT adapters unloaded, converted to the
 high form. Each repeat interleaves, after a warm-up that captures every graph (median over repeats):
   base        high, batch 1, no adapter
   lora        high, batch 1, one adapter (rank `--lora-rank` on q/v/out, FF down and the single blocks' MLP / output
@@ -85,17 +86,29 @@ def main(argv: list[str] | None = None) -> int:
 
     # lossless: PEFT adapters, graphed per adapter set
     pipe.load_loras({"a0": files["a0"]})
-    lossless = {"lossless": [req(quality="lossless")], "lossless_lora": [req((("a0", 1.0),), quality="lossless")]}
+    lossless = {"lossless": [req(quality="lossless")], "lossless_lora": [req((("a0", 1.0),), quality="lossless")],
+                "lossless_lora_peft": [req((("a0", 1.0),), quality="lossless")]}
     times: dict[str, list[float]] = {k: [] for k in lossless}
+    outs: dict[str, list] = {}
     for i in range(1 + args.repeats):
         for name, batch in lossless.items():
-            t, out = timed(lambda: pipe.generate(batch))
+            # lossless_lora_peft: each adapter term as PEFT adds it (three kernels), the fused tail switched off
+            with switches.override(lora_tail=name != "lossless_lora_peft"):
+                t, outs[name] = timed(lambda: pipe.generate(batch))
             if i:
                 times[name].append(t)
+    out = outs["lossless_lora"]
     eager = pipe.generate(lossless["lossless_lora"], cuda_graphs=False)[0]
     lossless_base = pipe.generate(lossless["lossless"])[0]
     lossless_equal = eager.png == out[0].png and bool(torch.equal(eager.latents, out[0].latents))
-    print(f"lossless: {times}; graphed adapter image equal to eager: {lossless_equal}", flush=True)
+    tail_equal = outs["lossless_lora_peft"][0].png == out[0].png and bool(
+        torch.equal(outs["lossless_lora_peft"][0].latents, out[0].latents))
+    from kernels.lora import GATE as TAIL
+
+    tail = {"fast_calls": TAIL.fast_calls, "signatures": len(TAIL.verdicts()),
+            "signatures_equal": sum(TAIL.verdicts().values())}
+    print(f"lossless: {times}; graphed adapter image equal to eager: {lossless_equal}, fused tail equal to PEFT's "
+          f"three kernels: {tail_equal}; tail gate {tail}", flush=True)
     pipe.remove_lora("a0")
     pipe.pipe.unload_lora_weights()  # no PEFT layer left: the high form converts plain linears
     if graphs is not None:
@@ -154,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": med, "seconds_all": times,
         "lora_overhead_high_pct": round(100 * (med["lora"] / med["base"] - 1), 2),
         "lora_overhead_lossless_pct": round(100 * (med["lossless_lora"] / med["lossless"] - 1), 2),
+        "lora_overhead_lossless_peft_pct": round(100 * (med["lossless_lora_peft"] / med["lossless"] - 1), 2),
+        "lossless_lora_tail_png_equal_peft": tail_equal,
+        "lora_tail_gate": tail,
         "adapter_layers": {"inside_gemm": inside, "beside_gemm": beside},
         "lora_overhead_high_beside_pct": (round(100 * (med["lora_beside"] / med["base_beside"] - 1), 2)
                                           if "lora_beside" in med else None),
@@ -173,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("gpu", "seconds", "lora_overhead_high_pct", "lora_overhead_lossless_pct",
+                                             "lora_overhead_lossless_peft_pct", "lossless_lora_tail_png_equal_peft",
                                              "lora_overhead_high_beside_pct", "adapter_layers",
                                              "lossless_lora_graphed_png_equal_eager",
                                              "psnr_high_lora_vs_lossless_lora_db", "mixed_batch_ratio",

@@ -545,3 +545,44 @@ def gelu_tanh(x: torch.Tensor, out: torch.Tensor, fma_inner: bool | None = None)
         enable_fp_fusion=False, num_warps=config["num_warps"],
     )
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LoRA tail: y + F.linear(t, B) * s (PEFT's order) in one pass
+# ----------------------------------------------------------------------------------------------------------------
+#
+# PEFT adds an adapter as `result + lora_B(lora_A(x)) * scaling`: cuBLAS's [M, r] x [r, N] GEMM rounded to the
+# dtype, the product with the scale (a Python float: fp32 opmath) rounded, the sum rounded. The kernel keeps the
+# three roundings and does the K = r dot product on the tensor cores as cuBLAS does (one accumulator from zero, K in
+# steps of 16); whether the two sum alike is the gate's to find out (kernels/lora.py), per signature.
+
+LORA_TAIL_CONFIG = {"BM": 64, "BN": 128, "num_warps": 4}
+
+
+@triton.jit
+def _lora_tail_kernel(
+    y_ptr, t_ptr, b_ptr, out_ptr, M, N, scale,
+    R: tl.constexpr, TY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, R)
+    t = tl.load(t_ptr + rm[:, None] * R + rk[None, :], mask=rm[:, None] < M, other=0.0)
+    b = tl.load(b_ptr + rn[None, :] * R + rk[:, None], mask=rn[None, :] < N, other=0.0)  # B^T tile [R, BN]
+    lora = _round(tl.dot(t, b, out_dtype=tl.float32), TY)
+    lora = _round(lora * scale, TY)
+    ok = (rm[:, None] < M) & (rn[None, :] < N)
+    y = tl.load(y_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], _cast(y + lora, TY), mask=ok)
+
+
+def lora_tail(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """y [M, N], t [M, r], b [N, r] (contiguous, one dtype; r a multiple of 16) -> y + F.linear(t, b) * scale."""
+    M, N = y.shape
+    out = torch.empty_like(y)
+    config = LORA_TAIL_CONFIG
+    _lora_tail_kernel[(triton.cdiv(M, config["BM"]), triton.cdiv(N, config["BN"]))](
+        y, t, b, out, M, N, float(scale), R=t.shape[1], TY=_TL_DTYPE[y.dtype], BM=config["BM"], BN=config["BN"],
+        enable_fp_fusion=False, num_warps=config["num_warps"],
+    )
+    return out

@@ -442,6 +442,14 @@ def convertible(linear: nn.Module) -> str | None:
     return reason or fp8_ops.shape_refusal(linear.in_features, linear.out_features)
 
 
+def plain_weight(layer: nn.Module) -> torch.Tensor | None:
+    """The W for which `layer(x)` is `F.linear(x, W)` bit for bit (a bias-free plain layer, or a bias-free
+    unconverted `Linear` whose local product is its output), else None."""
+    if type(layer) is nn.Linear or (isinstance(layer, Linear) and layer.fused_gelu_compatible):
+        return layer.weight if layer.bias is None else None
+    return None
+
+
 def spare_columns(*layers: nn.Module | None) -> int:
     """Columns past K that the rows quantized for these layers must have (`kernels.fp8.Fp8Rows.spare`): the most any
     of them writes its adapters' inputs into now (model/adapter_slots.py); 0 without adapters on."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from model import faults, prompt_cache
+from model import faults, peft_tail, prompt_cache
 from model.family import family_of
 from model.features import HIGH_DEFAULTS, feature
 from model.form import BATCH_DEFAULTS, ServingForm
@@ -413,6 +413,7 @@ class FluxServePipeline:
                 self.form = replace(self.form, loras=(*self.form.loras, (name, str(path))))
             if self.loras:
                 self.pipe.disable_lora()
+                peft_tail.install(self.transformer)
             self._drop_graphs()
 
     def add_lora(self, name: str, path: str) -> list[str]:
@@ -439,6 +440,7 @@ class FluxServePipeline:
             else:
                 reached = load_adapter(self.pipe, name, path)
                 self.pipe.disable_lora()
+                peft_tail.install(self.transformer)
                 self._drop_graphs()
             self.form = replace(self.form, loras=(*self.form.loras, (name, str(path))))
         return reached

@@ -64,6 +64,8 @@ MODULES: dict[str, list[str]] = {
     "model/linear.py": ["tests/test_linear.py", "tests/test_family.py", "tests/test_fp8.py",
                         "tests/test_adapter_slots.py"],  # (the layer's adapter side path and its parts)
     "model/features.py": ["tests/test_features.py", "tests/test_tiers.py"],
+    "model/peft_tail.py": ["tests/test_lora_tail.py"],
+    "kernels/lora.py": ["tests/test_lora_tail.py", "tests/test_kernels_gpu.py"],
     "kernels/sites.py": ["tests/test_sites.py", "tests/test_tiers.py"],
 }
 

@@ -1,0 +1,229 @@
+"""PEFT's LoRA term in one fused pass (`kernels.lora.lora_tail`, hooked onto PEFT's layers by `model/peft_tail.py`):
+the kernel keeps PEFT's three roundings (interpreter on the CPU, the GPU against cuBLAS), the hook computes exactly
+what PEFT's forward computes and hands every state it does not cover back to PEFT, and a served pipeline's adapters
+go through it while staying byte-identical to stock diffusers."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests._interpret import run_in_interpreter
+
+peft = pytest.importorskip("peft")
+
+_KERNEL_PROBE = r"""
+import torch
+from kernels import lora as L
+from kernels import _lossless_triton as K
+torch.manual_seed(0)
+n = 0
+# fp16 and fp32 (the interpreter has no bf16; the GPU test covers it). Integer A-products are exact in any summation
+# order, and large enough that fp16 rounds them: a missing rounding step or a wrong operand shows.
+for dtype in (torch.float16, torch.float32):
+    for (M, N, r) in ((70, 200, 32), (5, 130, 16), (64, 128, 64)):  # ragged row and column blocks
+        t = torch.randint(-16, 17, (M, r)).to(dtype)
+        b = torch.randint(-16, 17, (N, r)).to(dtype)
+        y = (torch.randn(M, N) * 1000).to(dtype)
+        got = K.lora_tail(y, t, b, 0.3)
+        want = L.lora_tail_eager(y, t, b, 0.3)
+        assert torch.equal(got, want), (dtype, M, N, r, (got.double() - want.double()).abs().max())
+        n += 1
+# the op on [B, S, *] rows with the device check passed: verified once against eager, then fused
+L._device_supported = lambda device: True
+y = (torch.randn(2, 7, 48) * 1000).half()
+t = torch.randint(-16, 17, (2, 7, 16)).half()
+b = torch.randint(-16, 17, (48, 16)).half()
+for _ in range(2):
+    assert torch.equal(L.lora_tail(y, t, b, 0.3), L.lora_tail_eager(y, t, b, 0.3))
+assert L.GATE.fast_calls == 1 and list(L.GATE.verdicts().values()) == [True], L.GATE.verdicts()
+n += 1
+print("OK", n)
+"""
+
+
+def test_the_lora_tail_kernel_keeps_peft_roundings_in_the_interpreter() -> None:
+    """The real kernel in Triton's CPU interpreter equals PEFT's `y + F.linear(t, B) * s` bit for bit (fp16, fp32;
+    ragged blocks), and the op on batched rows goes through its gate (one comparison, then the kernel). Catches a
+    rounding step left out (after the dot or after the scale), B read transposed, masks past the edges."""
+    run_in_interpreter(_KERNEL_PROBE, "OK 7")
+
+
+def _peft_layer(dtype: torch.dtype = torch.bfloat16, **config) -> nn.Module:
+    """A PEFT LoRA linear [24 -> 40] holding adapters "a" (rank 16) and "b" (rank 32), both active, B random (PEFT
+    starts it at zero, which would hide every ordering mistake)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(proj=nn.Linear(24, 40)))
+    for name, r in (("a", 16), ("b", 32)):
+        model = inject_adapter_in_model(LoraConfig(r=r, lora_alpha=7, target_modules=["proj"], **config), model,
+                                        adapter_name=name)
+    layer = model.proj
+    with torch.no_grad():
+        for name in ("a", "b"):
+            layer.lora_B[name].weight.normal_()
+    layer.set_adapter(["a", "b"])
+    return layer.to(dtype).eval()
+
+
+def _peft(layer: nn.Module, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    return type(layer).forward(layer, x, **kwargs)  # PEFT's own forward, whatever the instance's is
+
+
+@pytest.fixture
+def tail_calls(monkeypatch) -> list[tuple]:
+    """Each call of `lora_tail` the hook makes: (rank, scale)."""
+    from model import peft_tail
+
+    calls: list[tuple] = []
+    real = peft_tail.lora_tail
+
+    def spy(y, t, b, scale):
+        calls.append((t.shape[-1], scale))
+        return real(y, t, b, scale)
+
+    monkeypatch.setattr(peft_tail, "lora_tail", spy)
+    return calls
+
+
+def test_the_hook_adds_each_active_adapter_as_peft_does(tail_calls) -> None:
+    """A hooked PEFT layer's output equals PEFT's forward bit for bit (bf16, two adapters of different ranks and
+    scales, a batch of rows), through one tail per active adapter in PEFT's order with PEFT's scaling; a second
+    install does not hook twice. Catches an adapter skipped or added twice, the scale ignored or squared, the order of
+    the two sums swapped, the base layer's output lost."""
+    from diffusers.hooks import HookRegistry
+
+    from model.peft_tail import HOOK, install
+
+    layer = _peft_layer()
+    x = torch.randn(3, 5, 24).bfloat16()
+    want = _peft(layer, x)
+    assert install(layer) == 1 and install(layer) == 1
+    assert list(HookRegistry.check_if_exists_or_initialize(layer).hooks) == [HOOK]
+    assert torch.equal(layer(x), want)
+    assert tail_calls == [(16, layer.scaling["a"]), (32, layer.scaling["b"])]
+    layer.set_scale("b", 0.25)
+    tail_calls.clear()
+    assert torch.equal(layer(x), _peft(layer, x)) and tail_calls[1] == (32, layer.scaling["b"])
+
+
+@pytest.mark.parametrize("state", ["disabled", "merged", "adapter_names", "dtype", "dora", "dropout"])
+def test_states_the_hook_does_not_cover_run_pefts_own_forward(state: str, tail_calls) -> None:
+    """Adapters off, merged, per-row adapter names, an input PEFT would cast, DoRA, dropout in training: the hook
+    hands the call to PEFT's forward (the same output, no tail). Catches the fused pass run where PEFT does
+    something else (a merged adapter added twice, DoRA's magnitude ignored, dropout skipped while training)."""
+    from model.peft_tail import install
+
+    layer = _peft_layer(**({"use_dora": True} if state == "dora" else
+                           {"lora_dropout": 0.5} if state == "dropout" else {}))
+    install(layer)
+    x, kwargs = torch.randn(4, 24).bfloat16(), {}
+    if state == "disabled":
+        layer.enable_adapters(False)
+    elif state == "merged":
+        layer.merge(adapter_names=["a"])
+    elif state == "adapter_names":
+        kwargs = {"adapter_names": ["a", "b", "__base__", "a"]}
+    elif state == "dtype":  # an fp32 layer with bf16 adapters: PEFT casts the input for them
+        layer.float()
+        for name in ("a", "b"):
+            layer.lora_A[name].bfloat16(), layer.lora_B[name].bfloat16()
+        x = x.float()
+    elif state == "dropout":
+        layer.train()
+    if state == "dropout":
+        torch.manual_seed(1)
+        got = layer(x)
+        torch.manual_seed(1)
+        want = _peft(layer, x)
+    else:
+        got, want = layer(x, **kwargs), _peft(layer, x, **kwargs)
+    assert torch.equal(got, want) and tail_calls == []
+
+
+def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path: Path, tail_calls) -> None:
+    """Adapters loaded at start and while serving (PEFT) end hooked, and a lossless batch with them runs its terms
+    through the tail (rank 16: the kernel's) and equals stock diffusers with PEFT bit for bit (here the CPU, so the
+    tail's eager twin; the GPU test below runs the kernel). Catches a load path that leaves its layers unhooked."""
+    from diffusers.hooks import HookRegistry
+
+    from model.loading import diffusers_reference, load_pipeline
+    from model.pipeline import GenerationRequest, run_flux_pipeline
+    from model.peft_tail import HOOK
+    from tests._inputs import write_random_lora
+
+    def hooked() -> list[bool]:
+        return [HookRegistry.check_if_exists_or_initialize(m).get_hook(HOOK) is not None
+                for m in ours.transformer.modules() if isinstance(m, peft.tuners.lora.Linear)]
+
+    ours = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
+    # on layers apart, so that the adapter loaded while serving brings PEFT layers of its own
+    files = {n: str(write_random_lora(ours.transformer, tmp_path / f"{n}.safetensors", s, rank=16, targets=targets))
+             for n, s, targets in (("ink", 1, ("attn.to_q", "proj_mlp")), ("sun", 2, ("attn.to_v", "ff.net.2")))}
+    ref = diffusers_reference(ours)
+    ours.load_loras({"ink": files["ink"]})
+    assert hooked() and all(hooked())
+    first = len(hooked())
+    ours.add_lora("sun", files["sun"])
+    assert len(hooked()) > first and all(hooked())
+    adapted = hooked()
+    for name, path in files.items():
+        ref.load_lora_weights(path, adapter_name=name)
+    ref.set_adapters(["ink", "sun"], [0.8, 0.5])
+    req = GenerationRequest("a red fox", height=64, width=64, steps=2, seed=5, loras=(("ink", 0.8), ("sun", 0.5)))
+    got = ours.generate([req])[0]
+    lat, png = run_flux_pipeline(ref, [req])
+    assert torch.equal(got.latents, lat[0]) and got.png == png[0]
+    assert len(tail_calls) >= 2 * len(adapted) and {r for r, _ in tail_calls} == {16}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rank", [16, 32, 64, 128])
+def test_gpu_the_lora_tail_kernel_sums_as_cublas_does(rank: int) -> None:
+    """On CUDA in bf16, at FLUX.1's adapter shapes, the kernel equals PEFT's eager chain (cuBLAS's K = r GEMM, the
+    scale, the sum) bit for bit, so the gate lets it run. Fails where Triton's tensor-core dot sums a K = r product
+    otherwise than cuBLAS (the gate would then keep eager: exact, without the speed)."""
+    from kernels import lora as L
+
+    L.GATE.reset()
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    for rows, cols in ((4096, 3072), (4608, 12288), (512, 3072), (2, 3072)):
+        t = torch.randn(1, rows, rank, device="cuda", generator=g).bfloat16()
+        b = (torch.randn(cols, rank, device="cuda", generator=g) * 0.05).bfloat16()
+        y = torch.randn(1, rows, cols, device="cuda", generator=g).bfloat16()
+        for _ in range(2):
+            assert torch.equal(L.lora_tail(y, t, b, 0.75), L.lora_tail_eager(y, t, b, 0.75)), (rows, cols)
+    assert all(L.GATE.verdicts().values()) and L.GATE.fast_calls == 4, L.GATE.verdicts()
+
+
+@pytest.mark.gpu
+def test_gpu_lossless_adapters_through_the_tail_are_byte_identical_to_stock_diffusers(tiny_path: Path,
+                                                                                        tmp_path: Path) -> None:
+    """On CUDA in bf16 a lossless batch with two rank-16 adapters runs their terms through the fused kernel (the
+    gate's fast calls grow) and equals stock diffusers with PEFT: latents and PNG bytes."""
+    from kernels import lora as L
+    from model.loading import diffusers_reference, load_pipeline
+    from model.pipeline import GenerationRequest, run_flux_pipeline
+    from tests._inputs import write_random_lora
+
+    ours = load_pipeline(str(tiny_path), device="cuda", dtype=torch.bfloat16)
+    files = {n: str(write_random_lora(ours.transformer, tmp_path / f"{n}.safetensors", s, rank=16, b_std=0.05))
+             for n, s in (("ink", 1), ("sun", 2))}
+    ref = diffusers_reference(ours)
+    ours.load_loras(files)
+    for name, path in files.items():
+        ref.load_lora_weights(path, adapter_name=name)
+    ref.set_adapters(["ink", "sun"], [0.8, 0.5])
+    req = GenerationRequest("a red fox", height=256, width=256, steps=3, seed=5, loras=(("ink", 0.8), ("sun", 0.5)))
+    L.GATE.reset()
+    ours.generate([req])  # the gate compares each shape once
+    before = L.GATE.fast_calls
+    got = ours.generate([req])[0]
+    lat, png = run_flux_pipeline(ref, [req])
+    assert torch.equal(got.latents, lat[0]) and got.png == png[0]
+    assert L.GATE.fast_calls > before and all(L.GATE.verdicts().values()), L.GATE.verdicts()
