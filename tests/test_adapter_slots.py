@@ -28,6 +28,7 @@ peft = pytest.importorskip("peft")
 from model.adapters import text_adapters  # noqa: E402
 from model.loading import load_pipeline  # noqa: E402
 from tests._inputs import write_random_lora  # noqa: E402
+from tests.test_linear import collectives  # noqa: E402,F401  (the fixture: threads' collectives at a barrier)
 
 
 @pytest.fixture(autouse=True)
@@ -510,6 +511,50 @@ def test_a_column_parallel_fp8_layers_ranks_take_their_b_columns_inside_their_ow
         assert all(s.weight.shape == (n // 2, k) for s in shards)
         got = torch.cat([s(x).double() for s in shards], -1)
     assert (got - want).norm() < 0.2 * (want - base).norm()
+
+
+def test_a_row_parallel_fp8_layers_ranks_sum_their_shares_of_x_a_inside_their_own_gemm(collectives) -> None:
+    """Two ranks of a row-parallel fp8 layer (threads whose collectives meet at a barrier, tests/test_linear.py),
+    each with the adapter inside its GEMM: its input columns of A give its share of x A^T, B is whole on both, and the
+    all-reduce that sums the ranks' GEMMs sums the adapter's shares too. Every rank ends with the same output, and
+    the adapter's term in it (against the same sharded layer without adapters: each rank quantizes its own half of
+    x, so the base differs from the unsharded layer's) is the unsharded layer's term. Would catch a rank using all
+    of A (the term counted twice), another rank's columns, or its spare columns scaled by another rank's rows."""
+    from tests.test_linear import _spmd
+
+    g = torch.Generator().manual_seed(12)
+    k, n = 64, 32
+    src = nn.Linear(k, n).to(torch.bfloat16)
+    a, b = torch.randn(4, k, generator=g) / 8, torch.randn(n, 4, generator=g) * 0.01
+    x = torch.randn(1, 6, k, generator=g).to(torch.bfloat16)
+
+    def build(parallel):
+        parent = nn.Module()
+        layer = Linear.from_linears([src])
+        parent.proj = (layer if parallel is None else layer.sharded(parallel)).quantized(FP8)
+        slots = AdapterSlots(parent, rank=16)
+        slots.add("ink", {"proj": (a, b, 1.0)})
+        slots.compose([(("ink", 1.0),)])
+        assert parent.proj.side.wide
+        return parent.proj
+
+    whole = build(None)
+    with torch.no_grad():
+        want = whole(x).double()
+        base = whole.quant.apply(whole, x, whole.bias).double()
+
+    def rank(r: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = build(Row(r, 2, group))
+        plain = Linear.from_linears([src]).sharded(Row(r, 2, group)).quantized(FP8)
+        assert layer.weight.shape == plain.weight.shape == (n, k // 2)
+        with torch.no_grad():
+            mine = x[..., r * k // 2:(r + 1) * k // 2]
+            return layer(mine).double(), plain(mine).double()
+
+    (got, got_base), (other, _) = _spmd(2, rank)
+    assert torch.equal(got, other)
+    term, want_term = got - got_base, want - base
+    assert (term - want_term).norm() < 0.2 * want_term.norm()
 
 
 def test_refusals_say_why() -> None:
