@@ -410,10 +410,11 @@ class FluxSingleTransformerBlock(nn.Module):
                 mlp = self.proj_mlp(norm_hidden_states)
                 attn_output = attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
             update = linear_cat_gelu(self.proj_out, attn_output, mlp)
-        elif (IN_PLACE.value and type(self.proj_mlp) is nn.Linear and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling()):
+        elif (IN_PLACE.value and type(getattr(self.proj_mlp, "base_layer", self.proj_mlp)) is nn.Linear
+                and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
             # diffusers: proj_out(cat([attn, gelu(proj_mlp(x))], dim=2)). Both halves are written straight into
             # their columns of the proj_out input (the values cat would copy there), saving a full-width copy.
+            # proj_mlp may be a LoRA layer around the plain one (PEFT's `base_layer`): same width, same values.
             # (tp/ shards proj_mlp into another layer type: that path keeps the cat; so do autograd (out= ops
             # are not differentiable) and torch.compile.)
             B, S, _ = norm_hidden_states.shape

@@ -29,8 +29,8 @@ def _is_lora_linear(module: nn.Module) -> bool:
 
 
 def _inert(dropout: nn.Module) -> bool:
-    return isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout) and (dropout.p == 0 or
-                                                                                   not dropout.training))
+    """PEFT's dropout passes its input through: an identity (dropout 0) or a dropout in eval mode."""
+    return isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout) and not dropout.training)
 
 
 def plain_adapters(layer: nn.Module, x: torch.Tensor) -> list[str] | None:

@@ -65,7 +65,7 @@ MODULES: dict[str, list[str]] = {
                         "tests/test_adapter_slots.py"],  # (the layer's adapter side path and its parts)
     "model/features.py": ["tests/test_features.py", "tests/test_tiers.py"],
     "model/peft_tail.py": ["tests/test_lora_tail.py"],
-    "kernels/lora.py": ["tests/test_lora_tail.py", "tests/test_kernels_gpu.py"],
+    "kernels/lora.py": ["tests/test_lora_tail.py", "tests/test_kernel_calls.py"],
     "kernels/sites.py": ["tests/test_sites.py", "tests/test_tiers.py"],
 }
 

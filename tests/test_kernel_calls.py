@@ -360,3 +360,42 @@ def test_each_kernel_module_sends_cuda_tensors_to_its_kernels_and_keeps_cpu_ones
     for check in checks:
         assert check(torch.device("cuda")) and check(torch.device("cuda", 1)), check
         assert not check(torch.device("cpu")) and not check(torch.device("meta")), check
+
+
+def test_the_lora_tail_hands_its_kernel_rows_and_refuses_what_it_cannot_take(monkeypatch) -> None:
+    """`kernels.lora.lora_tail` on [B, S, N] rows: the kernel gets y and t as [B*S, N] / [B*S, r] views of the same
+    memory, B and the scale unchanged; the gate compares once, then the kernel answers. Inputs it cannot take (a
+    rank it does not hold in registers, fp32, mixed dtypes, shapes that do not fit, strided rows, autograd) go to
+    eager without a launch."""
+    import kernels.lora as lora
+
+    monkeypatch.setattr(lora, "GATE", ExactGate("lora_tail"))
+    monkeypatch.setattr(lora, "_device_supported", _pretend)
+    spy = Spy(lambda y, t, b, s: lora.lora_tail_eager(y, t, b, s))
+    monkeypatch.setattr(_lossless_triton, "lora_tail", spy)
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(2, 3, 24, generator=g).half()
+    t = torch.randn(2, 3, 16, generator=g).half()
+    b = torch.randn(24, 16, generator=g).half()
+    for _ in range(2):
+        assert torch.equal(lora.lora_tail(y, t, b, 0.3), lora.lora_tail_eager(y, t, b, 0.3))
+    (ky, kt, kb, ks), _ = spy.calls[0]
+    assert ky.shape == (6, 24) and kt.shape == (6, 16) and ky.data_ptr() == y.data_ptr()
+    assert kt.data_ptr() == t.data_ptr() and kb is b and ks == 0.3
+    assert len(spy.calls) == 2 and lora.GATE.fast_calls == 1 and list(lora.GATE.verdicts().values()) == [True]
+    spy.calls.clear()
+    refused = [(y, t[..., :8], b[:, :8]), (y.float(), t.float(), b.float()), (y, t.float(), b), (y, t, b.float()),
+               (y, t, b[:16]), (y, t[:, :2], b), (y[..., ::2], t, b[::2]), (y, t.transpose(0, 1).contiguous()
+                                                                         .transpose(0, 1), b),
+               (y, t, b.t().contiguous().t())]
+    for args in refused:
+        try:
+            lora.lora_tail(*args, 0.3)
+        except RuntimeError:
+            pass  # (shapes eager cannot add either)
+    with torch.enable_grad():
+        lora.lora_tail(y.requires_grad_(), t, b, 0.3)
+    assert spy.calls == []
+    monkeypatch.setattr(lora, "_device_supported", lambda device: False)
+    lora.lora_tail(y.detach(), t, b, 0.3)
+    assert spy.calls == []

@@ -112,6 +112,17 @@ def test_the_hook_adds_each_active_adapter_as_peft_does(tail_calls) -> None:
     assert torch.equal(layer(x), _peft(layer, x)) and tail_calls[1] == (32, layer.scaling["b"])
 
 
+def test_an_adapter_trained_with_dropout_serves_through_the_tail(tail_calls) -> None:
+    """Dropout in eval mode (a served model) passes its input through, so the hook covers it: the same output as
+    PEFT's forward, through the tail. Catches such adapters sent to PEFT's slower path (or dropout applied)."""
+    from model.peft_tail import install
+
+    layer = _peft_layer(lora_dropout=0.5)
+    install(layer)
+    x = torch.randn(4, 24).bfloat16()
+    assert torch.equal(layer(x), _peft(layer, x)) and len(tail_calls) == 2
+
+
 @pytest.mark.parametrize("state", ["disabled", "merged", "adapter_names", "dtype", "dora", "dropout"])
 def test_states_the_hook_does_not_cover_run_pefts_own_forward(state: str, tail_calls) -> None:
     """Adapters off, merged, per-row adapter names, an input PEFT would cast, DoRA, dropout in training: the hook
@@ -146,15 +157,30 @@ def test_states_the_hook_does_not_cover_run_pefts_own_forward(state: str, tail_c
     assert torch.equal(got, want) and tail_calls == []
 
 
-def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path: Path, tail_calls) -> None:
+def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path: Path, tail_calls,
+                                                      monkeypatch) -> None:
     """Adapters loaded at start and while serving (PEFT) end hooked, and a lossless batch with them runs its terms
     through the tail (rank 16: the kernel's) and equals stock diffusers with PEFT bit for bit (here the CPU, so the
-    tail's eager twin; the GPU test below runs the kernel). Catches a load path that leaves its layers unhooked."""
+    tail's eager twin; the GPU test below runs the kernel); a single block whose MLP up-projection has an adapter
+    still writes its GELU straight into proj_out's input (no cat). Catches a load path that leaves its layers
+    unhooked, or an adapted proj_mlp sent back to the cat."""
     from diffusers.hooks import HookRegistry
+
+    from model import flux
+
+    into: list[bool] = []
+    real_site = flux.gelu_site
+
+    def site(module, attr, x, out=None):
+        if attr == "proj_mlp":
+            into.append(out is not None)
+        return real_site(module, attr, x, out=out)
+
+    monkeypatch.setattr(flux, "gelu_site", site)
 
     from model.loading import diffusers_reference, load_pipeline
     from model.pipeline import GenerationRequest, run_flux_pipeline
-    from model.peft_tail import HOOK
+    from model.peft_tail import HOOK, install
     from tests._inputs import write_random_lora
 
     def hooked() -> list[bool]:
@@ -172,6 +198,7 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
     ours.add_lora("sun", files["sun"])
     assert len(hooked()) > first and all(hooked())
     adapted = hooked()
+    assert install(ours.transformer) == len(adapted)  # (counts the layers it hooked)
     for name, path in files.items():
         ref.load_lora_weights(path, adapter_name=name)
     ref.set_adapters(["ink", "sun"], [0.8, 0.5])
@@ -180,6 +207,7 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
     lat, png = run_flux_pipeline(ref, [req])
     assert torch.equal(got.latents, lat[0]) and got.png == png[0]
     assert len(tail_calls) >= 2 * len(adapted) and {r for r, _ in tail_calls} == {16}
+    assert into and all(into)
 
 
 @pytest.mark.gpu
