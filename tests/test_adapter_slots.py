@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -482,18 +483,16 @@ def test_a_sharded_layers_ranks_sum_to_the_whole_layer(style: str) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_column_parallel_fp8_layers_ranks_take_their_b_columns_inside_their_own_gemm() -> None:
-    """Two ranks of a column-parallel fp8 layer, each with the adapter inside its GEMM (its share of B as its
-    weight's extra columns, its own factors c): their outputs side by side are the unsharded fp8 layer's with the
-    adapter (the same quantized x and W; only the factors differ), far closer than to the layer without it. Would
-    catch a rank keeping another rank's B columns or none."""
-    g = torch.Generator().manual_seed(11)
+def _fp8_case(seed: int) -> tuple[nn.Linear, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """A bf16 layer [64 -> 32], a rank-4 adapter (A, B) small enough to sit inside the fp8 GEMM, rows x, and
+    `build(parallel)`: the layer (sharded by `parallel` unless None) in fp8 with the adapter inside its GEMM."""
+    g = torch.Generator().manual_seed(seed)
     k, n = 64, 32
     src = nn.Linear(k, n).to(torch.bfloat16)
     a, b = torch.randn(4, k, generator=g) / 8, torch.randn(n, 4, generator=g) * 0.01
     x = torch.randn(1, 6, k, generator=g).to(torch.bfloat16)
 
-    def build(parallel):
+    def build(parallel: Column | Row | None) -> Linear:
         parent = nn.Module()
         layer = Linear.from_linears([src])
         parent.proj = (layer if parallel is None else layer.sharded(parallel)).quantized(FP8)
@@ -503,12 +502,21 @@ def test_a_column_parallel_fp8_layers_ranks_take_their_b_columns_inside_their_ow
         assert parent.proj.side.wide
         return parent.proj
 
+    return src, a, b, x, build
+
+
+def test_a_column_parallel_fp8_layers_ranks_take_their_b_columns_inside_their_own_gemm() -> None:
+    """Two ranks of a column-parallel fp8 layer, each with the adapter inside its GEMM (its share of B as its
+    weight's extra columns, its own factors c): their outputs side by side are the unsharded fp8 layer's with the
+    adapter (the same quantized x and W; only the factors differ), far closer than to the layer without it. Would
+    catch a rank keeping another rank's B columns or none."""
+    src, _, _, x, build = _fp8_case(11)
     whole = build(None)
     with torch.no_grad():
         want = whole(x).double()
         base = whole.quant.apply(whole, x, whole.bias).double()
         shards = [build(Column(r, 2, None)) for r in range(2)]
-        assert all(s.weight.shape == (n // 2, k) for s in shards)
+        assert all(s.weight.shape == (src.out_features // 2, src.in_features) for s in shards)
         got = torch.cat([s(x).double() for s in shards], -1)
     assert (got - want).norm() < 0.2 * (want - base).norm()
 
@@ -522,22 +530,8 @@ def test_a_row_parallel_fp8_layers_ranks_sum_their_shares_of_x_a_inside_their_ow
     of A (the term counted twice), another rank's columns, or its spare columns scaled by another rank's rows."""
     from tests.test_linear import _spmd
 
-    g = torch.Generator().manual_seed(12)
-    k, n = 64, 32
-    src = nn.Linear(k, n).to(torch.bfloat16)
-    a, b = torch.randn(4, k, generator=g) / 8, torch.randn(n, 4, generator=g) * 0.01
-    x = torch.randn(1, 6, k, generator=g).to(torch.bfloat16)
-
-    def build(parallel):
-        parent = nn.Module()
-        layer = Linear.from_linears([src])
-        parent.proj = (layer if parallel is None else layer.sharded(parallel)).quantized(FP8)
-        slots = AdapterSlots(parent, rank=16)
-        slots.add("ink", {"proj": (a, b, 1.0)})
-        slots.compose([(("ink", 1.0),)])
-        assert parent.proj.side.wide
-        return parent.proj
-
+    src, _, _, x, build = _fp8_case(12)
+    k, n = src.in_features, src.out_features
     whole = build(None)
     with torch.no_grad():
         want = whole(x).double()
