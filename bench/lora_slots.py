@@ -4,8 +4,8 @@ PEFT adapters (one graph per adapter set), then the high pool's served form with
 
 One process, one set of weights (default: flux-dev-random, FLUX.1-dev architecture, random bf16 weights),
 1024x1024. First lossless (PEFT): `lossless` without and `lossless_lora` with one adapter (each term through the
-fused tail, model/peft_tail.py), `lossless_lora_peft` the same with the tail switched off (PEFT's three kernels per
-term), graphed, and the graphed adapter image against the eager one and against PEFT's (PNG bytes). Then the same pipeline, its PEFT adapters unloaded, converted to the
+fused tail, or inside the single blocks' GELU pass: model/peft_tail.py), `lossless_lora_peft` the same with those
+passes switched off (PEFT's three kernels per term), graphed, and the graphed adapter image against the eager one and against PEFT's (PNG bytes). Then the same pipeline, its PEFT adapters unloaded, converted to the
 high form. Each repeat interleaves, after a warm-up that captures every graph (median over repeats):
   base        high, batch 1, no adapter
   lora        high, batch 1, one adapter (rank `--lora-rank` on q/v/out, FF down and the single blocks' MLP / output
@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     outs: dict[str, list] = {}
     for i in range(1 + args.repeats):
         for name, batch in lossless.items():
-            # lossless_lora_peft: each adapter term as PEFT adds it (three kernels), the fused tail switched off
-            with switches.override(lora_tail=name != "lossless_lora_peft"):
+            # lossless_lora_peft: each adapter term as PEFT adds it (three kernels), the fused passes switched off
+            fused = name != "lossless_lora_peft"
+            with switches.override(lora_tail=fused, gelu_tanh_lora=fused):
                 t, outs[name] = timed(lambda: pipe.generate(batch))
             if i:
                 times[name].append(t)

@@ -10,6 +10,7 @@ Lossless (bit-exact with eager):
 - `rope_cat`, `rms_rope_cat`    QK RMSNorm + RoPE of [text; image] into the joint tensor        (kernels/rope.py)
 - `gelu_tanh_into`              tanh-GELU written into a column slice                           (kernels/gelu.py)
 - `lora.lora_tail`              a LoRA term in PEFT's order, y + F.linear(t, B) * s, one pass    (kernels/lora.py)
+                                (`lora.deferred`: a consumer takes the terms into its own pass, e.g. the GELU's)
 - `attention.sdpa`              diffusers' native attention backend ([B, S, H, D] in and out)   (kernels/attention.py)
 
 High tier (not bit-exact):

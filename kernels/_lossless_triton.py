@@ -512,15 +512,8 @@ _GELU_KAPPA = float(torch.tensor(0.044715, dtype=torch.float32))
 
 
 @triton.jit
-def _gelu_tanh_kernel(
-    x_ptr, out_ptr, N, x_sr, out_sr,
-    BETA: tl.constexpr, KAPPA: tl.constexpr, TY: tl.constexpr, FMA_INNER: tl.constexpr, BLOCK: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)  # rows on the grid's x axis: up to 2**31 - 1 of them
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < N
-    x = tl.load(x_ptr + row * x_sr + cols, mask=ok, other=0.0).to(tl.float32)
+def _gelu_tanh_value(x, BETA: tl.constexpr, KAPPA: tl.constexpr, FMA_INNER: tl.constexpr, INTERPRET: tl.constexpr):
+    # aten's tanh-GELU of fp32 values (the caller rounds once to the output dtype)
     x_cube = x * x * x
     if FMA_INNER:
         inner = tl.fma(KAPPA, x_cube, x)
@@ -531,7 +524,20 @@ def _gelu_tanh_kernel(
         t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
     else:
         t = libdevice.tanh(inner)  # what CUDA's tanhf is
-    y = 0.5 * x * (1.0 + t)
+    return 0.5 * x * (1.0 + t)
+
+
+@triton.jit
+def _gelu_tanh_kernel(
+    x_ptr, out_ptr, N, x_sr, out_sr,
+    BETA: tl.constexpr, KAPPA: tl.constexpr, TY: tl.constexpr, FMA_INNER: tl.constexpr, BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # rows on the grid's x axis: up to 2**31 - 1 of them
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * x_sr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = _gelu_tanh_value(x, BETA, KAPPA, FMA_INNER, INTERPRET)
     tl.store(out_ptr + row * out_sr + cols, _cast(y, TY), mask=ok)
 
 
@@ -560,12 +566,8 @@ LORA_TAIL_CONFIG = {"BM": 64, "BN": 128, "num_warps": 4}
 
 
 @triton.jit
-def _lora_tail_kernel(
-    y_ptr, t_ptr, b_ptr, out_ptr, M, N, scale,
-    R: tl.constexpr, TY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-):
-    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+def _with_lora(y_ptr, t_ptr, b_ptr, M, N, scale, rm, rn, R: tl.constexpr, TY: tl.constexpr):
+    # fp32 [BM, BN] tile of PEFT's output y + F.linear(t, B) * scale at rows rm, columns rn (y contiguous [M, N])
     rk = tl.arange(0, R)
     t = tl.load(t_ptr + rm[:, None] * R + rk[None, :], mask=rm[:, None] < M, other=0.0)
     b = tl.load(b_ptr + rn[None, :] * R + rk[:, None], mask=rn[None, :] < N, other=0.0)  # B^T tile [R, BN]
@@ -573,7 +575,47 @@ def _lora_tail_kernel(
     lora = _round(lora * scale, TY)
     ok = (rm[:, None] < M) & (rn[None, :] < N)
     y = tl.load(y_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], _cast(y + lora, TY), mask=ok)
+    return y + lora
+
+
+@triton.jit
+def _lora_tail_kernel(
+    y_ptr, t_ptr, b_ptr, out_ptr, M, N, scale,
+    R: tl.constexpr, TY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    v = _with_lora(y_ptr, t_ptr, b_ptr, M, N, scale, rm, rn, R, TY)
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], _cast(v, TY), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _gelu_tanh_lora_kernel(
+    y_ptr, t_ptr, b_ptr, out_ptr, M, N, out_sr, scale,
+    R: tl.constexpr, TY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BETA: tl.constexpr, KAPPA: tl.constexpr, FMA_INNER: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # the adapter's layer output as PEFT rounds it, then the tanh-GELU into out's strided rows (a column slice)
+    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    v = _round(_with_lora(y_ptr, t_ptr, b_ptr, M, N, scale, rm, rn, R, TY), TY)
+    g = _gelu_tanh_value(v, BETA, KAPPA, FMA_INNER, INTERPRET)
+    tl.store(out_ptr + rm[:, None] * out_sr + rn[None, :], _cast(g, TY), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def gelu_tanh_lora(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor,
+                   fma_inner: bool | None = None) -> torch.Tensor:
+    """gelu_tanh(y + F.linear(t, b) * scale) into out: y [M, N], t [M, r], b [N, r] contiguous (one dtype, r a
+    multiple of 16), out [M, N] with unit columns; returns out."""
+    M, N = y.shape
+    config = LORA_TAIL_CONFIG
+    _gelu_tanh_lora_kernel[(triton.cdiv(M, config["BM"]), triton.cdiv(N, config["BN"]))](
+        y, t, b, out, M, N, out.stride(0), float(scale), R=t.shape[1], TY=_TL_DTYPE[y.dtype], BM=config["BM"],
+        BN=config["BN"], BETA=_GELU_BETA, KAPPA=_GELU_KAPPA,
+        FMA_INNER=GELU_FMA_INNER if fma_inner is None else fma_inner, INTERPRET=_interpreting(),
+        enable_fp_fusion=False, num_warps=config["num_warps"],
+    )
+    return out
 
 
 def lora_tail(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:

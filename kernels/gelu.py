@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import sites
+from . import lora, sites
 from .exact import ExactGate, Signature, tensor_signature
 
 logger = logging.getLogger(__name__)
@@ -247,7 +247,9 @@ def gelu_site(module: nn.Module, attr: str, x: torch.Tensor, out: torch.Tensor |
             return fused_linear_gelu_tanh(x, layer.weight, layer.bias)
     if out is None:
         return F.gelu(layer(x), approximate="tanh")
-    return gelu_tanh_into(layer(x), out)
+    with lora.deferred() as terms:  # an adapter layer leaves its terms to this pass
+        h = layer(x)
+    return gelu_tanh_into(h, out, terms)
 
 
 GELU_INTO_GATE = ExactGate("gelu_tanh_into")
@@ -272,11 +274,21 @@ def _gelu_into_signature(h: torch.Tensor, out: torch.Tensor) -> Signature | None
     return tensor_signature(h, out)
 
 
-def gelu_tanh_into(h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`F.gelu(h, approximate="tanh")` written into `out` (e.g. a column slice), bit for bit; returns out.
+GELU_LORA_GATE = ExactGate("gelu_tanh_lora", "an adapter's term added inside the tanh-GELU pass into a slice "
+                           "(bit-exact gate)")
+
+
+def gelu_tanh_into(h: torch.Tensor, out: torch.Tensor, terms: Sequence[lora.Term] = ()) -> torch.Tensor:
+    """`F.gelu(h, approximate="tanh")` written into `out` (e.g. a column slice), bit for bit; returns out. terms:
+    adapter terms (`kernels.lora.deferred`) to add to h first, as PEFT adds them (`lora.add_terms`).
 
     On CUDA a Triton kernel that writes the strided rows at full bandwidth (aten's elementwise loop does not
-    vectorise a non-contiguous output), behind a bit-exact gate; elsewhere aten with out=."""
+    vectorise a non-contiguous output), behind a bit-exact gate; elsewhere aten with out=. One adapter's term is
+    added inside that pass (its own gate); more go through `lora.add_terms` first."""
+    if len(terms) == 1:
+        return _gelu_tanh_lora_into(h, out, *terms[0])
+    if terms:
+        h = lora.add_terms(h, list(terms))
     sig = _gelu_into_signature(h, out)
 
     def fast() -> torch.Tensor:
@@ -288,6 +300,28 @@ def gelu_tanh_into(h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return dst
 
     return GELU_INTO_GATE.run(sig, fast, lambda: torch._C._nn.gelu(h, approximate="tanh", out=out))
+
+
+def _gelu_tanh_lora_into(h: torch.Tensor, out: torch.Tensor, t: torch.Tensor, b: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """gelu_tanh_into(h + F.linear(t, b) * scale, out) in one pass where the gate admits it."""
+    def apart() -> torch.Tensor:  # the term's pass, then the GELU's (each behind its own gate)
+        return gelu_tanh_into(lora.lora_tail(h, t, b, scale), out)
+
+    into = _gelu_into_signature(h, out) if GELU_LORA_GATE.enabled else None
+    term = lora.signature(h, t, b) if into is not None else None
+    if term is None:
+        return apart()
+    sig = (into, term)
+
+    def fast() -> torch.Tensor:
+        from . import _lossless_triton
+
+        dst = out if GELU_LORA_GATE.verified(sig) else torch.empty_like(h)  # (see gelu_tanh_into)
+        _lossless_triton.gelu_tanh_lora(_rows(h), t.reshape(-1, t.shape[-1]), b, scale, _rows(dst))
+        return dst
+
+    return GELU_LORA_GATE.run(sig, fast, apart)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

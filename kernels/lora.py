@@ -4,10 +4,16 @@ lossless tier's adapters. Bit-exact with eager where `GATE` has seen it match, e
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 
 from .exact import ExactGate, Signature, tensor_signature
+
+Term = tuple[torch.Tensor, torch.Tensor, float]  # (t = A applied to the input, B [N, r], scale) of one adapter
 
 _HALF = (torch.float16, torch.bfloat16)
 GATE = ExactGate("lora_tail", "LoRA term y + F.linear(t, B) * s in one Triton pass (bit-exact gate)")
@@ -24,8 +30,9 @@ def _device_supported(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _signature(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> Signature | None:
-    """The gate's key, or None where the kernel does not apply (eager)."""
+def signature(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> Signature | None:
+    """The gate's key for adding F.linear(t, b) to y in a kernel, or None where no kernel takes it (eager): fp16 /
+    bf16 on CUDA, a rank in `RANKS`, fitting contiguous operands, no autograd."""
     if y.dtype not in _HALF or t.dtype != y.dtype or b.dtype != y.dtype:
         return None
     if not (_device_supported(y.device) and t.device == y.device == b.device):
@@ -43,7 +50,7 @@ def _signature(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> Signature |
 def lora_tail(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """`y + F.linear(t, b) * scale`, bit for bit: y [..., N], t [..., r], b [N, r]; one Triton pass on CUDA fp16/bf16
     (ranks in `RANKS`) once the gate saw it equal eager for these shapes, the eager expression otherwise."""
-    signature = _signature(y, t, b) if GATE.enabled else None
+    sig = signature(y, t, b) if GATE.enabled else None
 
     def fast() -> torch.Tensor:
         from . import _lossless_triton
@@ -51,4 +58,38 @@ def lora_tail(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float) -
         n, r = y.shape[-1], t.shape[-1]
         return _lossless_triton.lora_tail(y.view(-1, n), t.view(-1, r), b, scale).view(y.shape)
 
-    return GATE.run(signature, fast, lambda: lora_tail_eager(y, t, b, scale))
+    return GATE.run(sig, fast, lambda: lora_tail_eager(y, t, b, scale))
+
+
+def add_terms(y: torch.Tensor, terms: list[Term]) -> torch.Tensor:
+    """y with each term added in order, as PEFT adds its active adapters (`lora_tail` each)."""
+    for t, b, scale in terms:
+        y = lora_tail(y, t, b, scale)
+    return y
+
+
+# Adapter terms a consumer adds itself, inside its own pass over the layer's output (kernels.gelu.gelu_tanh_into):
+# within `deferred()`, an adapter layer (model/peft_tail.py's hook) returns its base output and leaves its terms in
+# the list `deferred` yields instead of adding them.
+_DEFERRED: ContextVar[list[Term] | None] = ContextVar("lora_deferred", default=None)
+
+
+@contextmanager
+def deferred() -> Iterator[list[Term]]:
+    """Collect the terms of the adapter layer called inside (its base output is what it returns)."""
+    terms: list[Term] = []
+    token = _DEFERRED.set(terms)
+    try:
+        yield terms
+    finally:
+        _DEFERRED.reset(token)
+
+
+def defer(terms: list[Term]) -> bool:
+    """Hand `terms` to the consumer that asked for them (`deferred`), if one did; False: add them yourself."""
+    pending = _DEFERRED.get()
+    if pending is None:
+        return False
+    _DEFERRED.set(None)  # (one layer's terms: a layer called later in the same block adds its own)
+    pending.extend(terms)
+    return True

@@ -1,5 +1,6 @@
 """PEFT's LoRA layers with each adapter's term added in one fused pass (`kernels.lora.lora_tail`) instead of PEFT's
-three: a diffusers hook on every PEFT LoRA linear of a served transformer, not model code.
+three, or handed to the consumer of the layer's output to add in its own pass (`kernels.lora.deferred`): a diffusers
+hook on every PEFT LoRA linear of a served transformer, not model code.
 
 The hook computes what PEFT's `lora.Linear.forward` computes, in its order and with its roundings, wherever the
 layer is in the state PEFT's plain loop covers: adapters on and not merged, no per-row adapter names, vanilla LoRA
@@ -16,7 +17,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from torch import nn
 
-from kernels.lora import lora_tail
+from kernels.lora import add_terms, defer
 from model.linear import plain_weight
 
 HOOK = "fluxserve_lora_tail"
@@ -55,10 +56,11 @@ class LoraTailHook(ModelHook):
         if names is None:
             return self.fn_ref.original_forward(x, *args, **kwargs)
         result = module.base_layer(x)
-        dtype = result.dtype
-        for n in names:
-            result = lora_tail(result, module.lora_A[n](x), plain_weight(module.lora_B[n]), module.scaling[n])
-        return result.to(dtype)  # (as PEFT ends)
+        terms = [(module.lora_A[n](x), plain_weight(module.lora_B[n]), module.scaling[n]) for n in names]
+        if defer(terms):  # the consumer adds them in its own pass (kernels.lora.deferred)
+            return result
+        # (PEFT ends with a cast back to the base output's dtype: x, A, B and the base share one dtype here)
+        return add_terms(result, terms)
 
 
 def install(model: nn.Module) -> int:

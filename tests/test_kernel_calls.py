@@ -399,3 +399,38 @@ def test_the_lora_tail_hands_its_kernel_rows_and_refuses_what_it_cannot_take(mon
     monkeypatch.setattr(lora, "_device_supported", lambda device: False)
     lora.lora_tail(y.detach(), t, b, 0.3)
     assert spy.calls == []
+
+
+def test_the_gelu_pass_with_an_adapters_term_hands_its_kernel_rows_and_falls_back_to_two_passes(monkeypatch) -> None:
+    """`gelu_tanh_into(h, out, [(t, B, s)])`: the kernel gets [M, N] rows of h, t as [M, r], B and s, and writes a
+    scratch tensor while its gate compares with the two passes (the term's, then the GELU's into the slice), the
+    slice itself once verified. A term no kernel takes (rank 8) goes through the two passes without a launch."""
+    import kernels.lora as lora
+
+    monkeypatch.setattr(gelu, "_into_device_supported", _pretend)
+    monkeypatch.setattr(lora, "_device_supported", _pretend)
+    for module, name in ((gelu, "GELU_LORA_GATE"), (gelu, "GELU_INTO_GATE"), (lora, "GATE")):
+        monkeypatch.setattr(module, name, ExactGate(getattr(module, name).name))
+    both = Spy(lambda y, t, b, s, dst: dst.copy_(F.gelu(lora.lora_tail_eager(y, t, b, s), approximate="tanh")))
+    monkeypatch.setattr(_lossless_triton, "gelu_tanh_lora", both)
+    monkeypatch.setattr(_lossless_triton, "lora_tail", Spy(lora.lora_tail_eager))
+    monkeypatch.setattr(_lossless_triton, "gelu_tanh",
+                        Spy(lambda src, dst: dst.copy_(F.gelu(src, approximate="tanh"))))
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 3, 8, generator=g).half()
+    t, b = torch.randn(2, 3, 16, generator=g).half(), torch.randn(8, 16, generator=g).half()
+    buf = torch.zeros(2, 3, 20, dtype=torch.float16)
+    out = buf[..., 4:12]
+    want = F.gelu(lora.lora_tail_eager(h, t, b, 0.3), approximate="tanh")
+    for call in range(2):
+        assert gelu.gelu_tanh_into(h, out, [(t, b, 0.3)]) is out and torch.equal(out, want)
+        (ky, kt, kb, ks, dst), _ = both.calls[call]
+        assert ky.shape == (6, 8) and ky.data_ptr() == h.data_ptr() and kt.shape == (6, 16)
+        assert kt.data_ptr() == t.data_ptr() and kb is b and ks == 0.3
+        assert (dst.data_ptr() == out.data_ptr()) is (call == 1) and dst.stride() == ((8, 1) if call == 0 else (20, 1))
+    assert gelu.GELU_LORA_GATE.fast_calls == 1 and list(gelu.GELU_LORA_GATE.verdicts().values()) == [True]
+    assert torch.equal(buf[..., :4], torch.zeros(2, 3, 4, dtype=torch.float16))
+    both.calls.clear()
+    gelu.gelu_tanh_into(h, out, [(t[..., :8], b[:, :8], 0.3)])
+    assert both.calls == [] and torch.equal(
+        out, F.gelu(lora.lora_tail_eager(h, t[..., :8], b[:, :8], 0.3), approximate="tanh"))

@@ -42,15 +42,30 @@ for _ in range(2):
     assert torch.equal(L.lora_tail(y, t, b, 0.3), L.lora_tail_eager(y, t, b, 0.3))
 assert L.GATE.fast_calls == 1 and list(L.GATE.verdicts().values()) == [True], L.GATE.verdicts()
 n += 1
+# the term inside the GELU pass into a column slice: the same bits as the term's kernel, then the GELU's
+for dtype in (torch.float16, torch.float32):
+    for (M, N, r) in ((70, 200, 32), (5, 130, 16)):
+        t = torch.randint(-16, 17, (M, r)).to(dtype) / 64
+        b = torch.randint(-16, 17, (N, r)).to(dtype) / 64
+        y = (torch.randn(M, N) * 3).to(dtype)
+        buf = torch.full((M, N + 24), 7.0, dtype=dtype)
+        K.gelu_tanh_lora(y, t, b, 0.3, buf[:, 24:])
+        chain = torch.empty_like(y)
+        K.gelu_tanh(K.lora_tail(y, t, b, 0.3), chain)
+        assert torch.equal(buf[:, 24:], chain), (dtype, M, N, r)
+        assert bool((buf[:, :24] == 7.0).all())
+        n += 1
 print("OK", n)
 """
 
 
 def test_the_lora_tail_kernel_keeps_peft_roundings_in_the_interpreter() -> None:
     """The real kernel in Triton's CPU interpreter equals PEFT's `y + F.linear(t, B) * s` bit for bit (fp16, fp32;
-    ragged blocks), and the op on batched rows goes through its gate (one comparison, then the kernel). Catches a
-    rounding step left out (after the dot or after the scale), B read transposed, masks past the edges."""
-    run_in_interpreter(_KERNEL_PROBE, "OK 7")
+    ragged blocks), and the op on batched rows goes through its gate (one comparison, then the kernel); the GELU pass
+    with the term inside equals the term's kernel followed by the GELU's, into a column slice. Catches a rounding
+    step left out (after the dot, after the scale, before the GELU), B read transposed, masks past the edges, the
+    slice's row stride ignored."""
+    run_in_interpreter(_KERNEL_PROBE, "OK 11")
 
 
 def _peft_layer(dtype: torch.dtype = torch.bfloat16, **config) -> nn.Module:
@@ -78,16 +93,16 @@ def _peft(layer: nn.Module, x: torch.Tensor, **kwargs) -> torch.Tensor:
 @pytest.fixture
 def tail_calls(monkeypatch) -> list[tuple]:
     """Each call of `lora_tail` the hook makes: (rank, scale)."""
-    from model import peft_tail
+    from kernels import lora
 
     calls: list[tuple] = []
-    real = peft_tail.lora_tail
+    real = lora.lora_tail
 
     def spy(y, t, b, scale):
         calls.append((t.shape[-1], scale))
         return real(y, t, b, scale)
 
-    monkeypatch.setattr(peft_tail, "lora_tail", spy)
+    monkeypatch.setattr(lora, "lora_tail", spy)
     return calls
 
 
@@ -110,6 +125,30 @@ def test_the_hook_adds_each_active_adapter_as_peft_does(tail_calls) -> None:
     layer.set_scale("b", 0.25)
     tail_calls.clear()
     assert torch.equal(layer(x), _peft(layer, x)) and tail_calls[1] == (32, layer.scaling["b"])
+
+
+def test_a_consumer_that_asks_gets_the_base_output_and_the_terms_to_add() -> None:
+    """Inside `kernels.lora.deferred()` a hooked layer returns its base output and leaves (t, B, scale) per active
+    adapter, in PEFT's order, which `add_terms` turns into PEFT's output; a second layer call in the same block adds
+    its own terms; a state the hook does not cover leaves nothing and returns PEFT's whole output. Catches terms
+    added twice (by the layer and by the consumer), lost, reordered, or kept for a later layer."""
+    from kernels import lora
+    from model.peft_tail import install
+
+    layer = _peft_layer()
+    install(layer)
+    x = torch.randn(3, 24).bfloat16()
+    with lora.deferred() as terms:
+        y = layer(x)
+        after = layer(x)
+    assert torch.equal(y, layer.base_layer(x)) and torch.equal(after, _peft(layer, x))
+    assert [(t.shape[-1], b is layer.lora_B[n].weight, s) for (t, b, s), n in zip(terms, "ab")] == [
+        (16, True, layer.scaling["a"]), (32, True, layer.scaling["b"])]
+    assert torch.equal(lora.add_terms(y, terms), _peft(layer, x))
+    layer.merge(adapter_names=["a"])
+    with lora.deferred() as terms:
+        got = layer(x)
+    assert terms == [] and torch.equal(got, _peft(layer, x))
 
 
 def test_an_adapter_trained_with_dropout_serves_through_the_tail(tail_calls) -> None:
@@ -162,21 +201,28 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
     """Adapters loaded at start and while serving (PEFT) end hooked, and a lossless batch with them runs its terms
     through the tail (rank 16: the kernel's) and equals stock diffusers with PEFT bit for bit (here the CPU, so the
     tail's eager twin; the GPU test below runs the kernel); a single block whose MLP up-projection has an adapter
-    still writes its GELU straight into proj_out's input (no cat). Catches a load path that leaves its layers
-    unhooked, or an adapted proj_mlp sent back to the cat."""
+    still writes its GELU straight into proj_out's input (no cat), the adapter's term left to that pass. Catches a
+    load path that leaves its layers unhooked, an adapted proj_mlp sent back to the cat, its term added before.""" 
     from diffusers.hooks import HookRegistry
 
+    import kernels.gelu
     from model import flux
 
     into: list[bool] = []
-    real_site = flux.gelu_site
+    real_site, real_into = flux.gelu_site, kernels.gelu.gelu_tanh_into
+    handed: list[int] = []
 
     def site(module, attr, x, out=None):
         if attr == "proj_mlp":
             into.append(out is not None)
         return real_site(module, attr, x, out=out)
 
+    def gelu_into(h, out, terms=()):
+        handed.append(len(terms))
+        return real_into(h, out, terms)
+
     monkeypatch.setattr(flux, "gelu_site", site)
+    monkeypatch.setattr(kernels.gelu, "gelu_tanh_into", gelu_into)
 
     from model.loading import diffusers_reference, load_pipeline
     from model.pipeline import GenerationRequest, run_flux_pipeline
@@ -207,7 +253,8 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
     lat, png = run_flux_pipeline(ref, [req])
     assert torch.equal(got.latents, lat[0]) and got.png == png[0]
     assert len(tail_calls) >= 2 * len(adapted) and {r for r, _ in tail_calls} == {16}
-    assert into and all(into)
+    # each proj_mlp site hands ink's term to the GELU pass (which, on the CPU, adds it and calls itself again)
+    assert into and all(into) and handed.count(1) == len(into)
 
 
 @pytest.mark.gpu
@@ -227,6 +274,26 @@ def test_gpu_the_lora_tail_kernel_sums_as_cublas_does(rank: int) -> None:
         for _ in range(2):
             assert torch.equal(L.lora_tail(y, t, b, 0.75), L.lora_tail_eager(y, t, b, 0.75)), (rows, cols)
     assert all(L.GATE.verdicts().values()) and L.GATE.fast_calls == 4, L.GATE.verdicts()
+
+
+@pytest.mark.gpu
+def test_gpu_the_gelu_pass_with_an_adapters_term_inside_equals_the_two_passes() -> None:
+    """On CUDA in bf16, FLUX.1's single-block MLP (4608 x 12288, rank 16) into its slice of proj_out's input: the
+    GELU pass with the term inside equals PEFT's output through aten's GELU, so its gate lets it run."""
+    import kernels.gelu as G
+    from kernels import lora as L
+
+    G.GELU_LORA_GATE.reset()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(1, 4608, 12288, device="cuda", generator=g).bfloat16()
+    t = torch.randn(1, 4608, 16, device="cuda", generator=g).bfloat16()
+    b = (torch.randn(12288, 16, device="cuda", generator=g) * 0.05).bfloat16()
+    want = torch.nn.functional.gelu(L.lora_tail_eager(h, t, b, 0.75), approximate="tanh")
+    for _ in range(2):
+        buf = torch.zeros(1, 4608, 3072 + 12288, device="cuda", dtype=torch.bfloat16)
+        G.gelu_tanh_into(h, buf[..., 3072:], [(t, b, 0.75)])
+        assert torch.equal(buf[..., 3072:], want) and not buf[..., :3072].any()
+    assert all(G.GELU_LORA_GATE.verdicts().values()) and G.GELU_LORA_GATE.fast_calls == 1
 
 
 @pytest.mark.gpu
