@@ -384,21 +384,22 @@ def test_the_lora_tail_hands_its_kernel_rows_and_refuses_what_it_cannot_take(mon
     assert kt.data_ptr() == t.data_ptr() and kb is b and ks == 0.3
     assert len(spy.calls) == 2 and lora.GATE.fast_calls == 1 and list(lora.GATE.verdicts().values()) == [True]
     spy.calls.clear()
-    refused = [(y, t[..., :8], b[:, :8]), (y.float(), t.float(), b.float()), (y, t.float(), b), (y, t, b.float()),
-               (y, t, b[:16]), (y, t[:, :2], b), (y[..., ::2], t, b[::2]), (y, t.transpose(0, 1).contiguous()
-                                                                         .transpose(0, 1), b),
-               (y, t, b.t().contiguous().t())]
-    for args in refused:
-        try:
-            lora.lora_tail(*args, 0.3)
-        except RuntimeError:
-            pass  # (shapes eager cannot add either)
+    refused = {"rank 8": (y, t[..., :8], b[:, :8]), "fp32": (y.float(), t.float(), b.float()),
+               "t's dtype": (y, t.float(), b), "B's dtype": (y, t, b.float()), "B's rows": (y, t, b[:16]),
+               "t's rows": (y, t[:, :2], b), "strided y": (y[..., ::2], t, b[::2]),
+               "strided t": (y, t.transpose(0, 1).contiguous().transpose(0, 1), b),
+               "strided B": (y, t, b.t().contiguous().t()), "no rows": (y[:, :0], t[:, :0], b)}
+    for why, args in refused.items():
+        assert lora.signature(*args) is None, why
     with torch.enable_grad():
-        lora.lora_tail(y.requires_grad_(), t, b, 0.3)
+        for grads in ((True, False, False), (False, True, False), (False, False, True)):
+            args = [a.detach().float().requires_grad_(g).half() if g else a for a, g in zip((y, t, b), grads)]
+            assert lora.signature(*args) is None, grads
+        lora.lora_tail(y.detach().requires_grad_(), t, b, 0.3)
     assert spy.calls == []
     monkeypatch.setattr(lora, "_device_supported", lambda device: False)
     lora.lora_tail(y.detach(), t, b, 0.3)
-    assert spy.calls == []
+    assert spy.calls == [] and lora.signature(y, t, b) is None
 
 
 def test_the_gelu_pass_with_an_adapters_term_hands_its_kernel_rows_and_falls_back_to_two_passes(monkeypatch) -> None:
