@@ -73,7 +73,7 @@ class _State:
 
 
 # Off until measured on a GPU (bench/lora_slots.py times both forms): read when a layer's side is made.
-IN_GEMM = switches.register("adapters_in_fp8_gemm", False,
+IN_GEMM = switches.register("adapters_in_fp8_gemm", True,
                             "fp8 layers take per-request adapters inside their GEMM (fp8 columns of the weight and "
                             "the input) instead of after it")
 

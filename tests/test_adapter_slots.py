@@ -32,14 +32,6 @@ from tests._inputs import write_random_lora  # noqa: E402
 from tests.test_linear import collectives  # noqa: E402,F401  (the fixture: threads' collectives at a barrier)
 
 
-@pytest.fixture(autouse=True)
-def _in_gemm():
-    """fp8 layers take their adapters inside their GEMM in these tests (the other form: `move_beside`, strong
-    adapters)."""
-    with switches.override(adapters_in_fp8_gemm=True):
-        yield
-
-
 def _ab(g: torch.Generator, k: int, n: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(r, k, generator=g) * 0.3, torch.randn(n, r, generator=g) * 0.3
 
@@ -350,7 +342,7 @@ def test_a_wide_terms_factor_sits_between_what_b_and_x_a_need_and_a_rank_without
 
 
 def test_the_switch_decides_the_form_of_a_side_when_it_is_made() -> None:
-    """`adapters_in_fp8_gemm` off (the default): an fp8 layer's adapters go after its GEMM and its weight stays its
+    """`adapters_in_fp8_gemm` off: an fp8 layer's adapters go after its GEMM and its weight stays its
     own; a side made while it was on stays inside the GEMM and takes adapters loaded after it is switched off. Would
     catch the switch ignored, or a later adapter without its in-GEMM form."""
     g = torch.Generator().manual_seed(10)
@@ -359,7 +351,7 @@ def test_the_switch_decides_the_form_of_a_side_when_it_is_made() -> None:
     parent.two = Linear.from_linears([nn.Linear(64, 32)]).to(torch.bfloat16).quantized(FP8)
     slots = AdapterSlots(parent, rank=16)
     mild = [(torch.randn(4, 64, generator=g) / 8, torch.randn(32, 4, generator=g) * 0.01, 1.0) for _ in range(3)]
-    slots.add("a", {"one": mild[0]})  # (the module's fixture: switched on)
+    slots.add("a", {"one": mild[0]})  # (switched on: the default)
     with switches.override(adapters_in_fp8_gemm=False):
         assert switches.get("adapters_in_fp8_gemm") is False
         slots.add("b", {"one": mild[1], "two": mild[2]})
