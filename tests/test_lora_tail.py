@@ -151,6 +151,29 @@ def test_a_consumer_that_asks_gets_the_base_output_and_the_terms_to_add() -> Non
     assert terms == [] and torch.equal(got, _peft(layer, x))
 
 
+def test_the_gelu_pass_adds_every_term_it_is_handed_in_order(tail_calls) -> None:
+    """Two adapters on the MLP up-projection: the GELU pass into a slice adds both terms, in PEFT's order, before
+    the GELU (one term goes inside its own pass; more through `add_terms` first). Catches terms dropped, reordered
+    or applied after the GELU."""
+    from kernels import lora
+    from kernels.gelu import gelu_tanh_into
+    from model.peft_tail import install
+
+    layer = _peft_layer()
+    install(layer)
+    x = torch.randn(2, 3, 24).bfloat16()
+    for adapters in (["a", "b"], ["a"]):
+        layer.set_adapter(adapters)
+        buf = torch.zeros(2, 3, 48, dtype=torch.bfloat16)
+        with torch.no_grad():  # (served: inference; out= writes take no autograd)
+            with lora.deferred() as terms:
+                h = layer(x)
+            assert len(terms) == len(adapters)
+            gelu_tanh_into(h, buf[..., 8:], terms)
+            want = torch.nn.functional.gelu(_peft(layer, x), approximate="tanh")
+        assert torch.equal(buf[..., 8:], want) and not buf[..., :8].any()
+
+
 def test_an_adapter_trained_with_dropout_serves_through_the_tail(tail_calls) -> None:
     """Dropout in eval mode (a served model) passes its input through, so the hook covers it: the same output as
     PEFT's forward, through the tail. Catches such adapters sent to PEFT's slower path (or dropout applied)."""
