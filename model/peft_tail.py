@@ -34,29 +34,33 @@ def _inert(dropout: nn.Module) -> bool:
     return isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout) and not dropout.training)
 
 
-def plain_adapters(layer: nn.Module, x: torch.Tensor) -> list[str] | None:
-    """The adapters PEFT's forward would add on `layer` for input `x`, in its order, if all are plain LoRA terms the
-    fused pass can add; None where PEFT's forward must run (see the module's docstring)."""
+def plain_adapters(layer: nn.Module, x: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """(name, B's weight) of each adapter PEFT's forward would add on `layer` for input `x`, in its order, if all are
+    plain LoRA terms the fused pass can add; None where PEFT's forward must run (see the module's docstring)."""
     if layer.disable_adapters or layer.merged:
         return None
-    names = [n for n in layer.active_adapters if n in layer.lora_A]
-    for n in names:
-        if n in layer.lora_variant or not _inert(layer.lora_dropout[n]) or plain_weight(layer.lora_B[n]) is None:
+    found = []
+    for n in layer.active_adapters:
+        if n not in layer.lora_A:
+            continue
+        b = plain_weight(layer.lora_B[n])
+        if n in layer.lora_variant or not _inert(layer.lora_dropout[n]) or b is None:
             return None
         if layer.lora_A[n].weight.dtype != x.dtype:  # PEFT would cast the input first
             return None
-    return names
+        found.append((n, b))
+    return found
 
 
 class LoraTailHook(ModelHook):
     """Replaces a PEFT LoRA linear's forward by base + one `lora_tail` per active adapter (PEFT's order)."""
 
     def new_forward(self, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        names = None if args or kwargs else plain_adapters(module, x)
-        if names is None:
+        adapters = None if args or kwargs else plain_adapters(module, x)
+        if adapters is None:
             return self.fn_ref.original_forward(x, *args, **kwargs)
         result = module.base_layer(x)
-        terms = [(module.lora_A[n](x), plain_weight(module.lora_B[n]), module.scaling[n]) for n in names]
+        terms = [(module.lora_A[n](x), b, module.scaling[n]) for n, b in adapters]
         if defer(terms):  # the consumer adds them in its own pass (kernels.lora.deferred)
             return result
         # (PEFT ends with a cast back to the base output's dtype: x, A, B and the base share one dtype here)
