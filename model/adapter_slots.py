@@ -72,7 +72,7 @@ class _State:
     on: bool = False  # the batch has adapters: every side adds its rows' terms
 
 
-# Off until measured on a GPU (bench/lora_slots.py times both forms): read when a layer's side is made.
+# Read when a layer's side is made (bench/lora_slots.py times both forms: --no-in-gemm).
 IN_GEMM = switches.register("adapters_in_fp8_gemm", True,
                             "fp8 layers take per-request adapters inside their GEMM (fp8 columns of the weight and "
                             "the input) instead of after it")

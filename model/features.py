@@ -104,9 +104,10 @@ FEATURES: tuple[Feature, ...] = (
     Feature("fused_lora", "one adapter merged into the weights at start: part of the model, a step costs the base's",
             exact=True, scope="replica", where="app", option="fuse_lora", instead_of="lora",
             excludes={"compile": "LoRA under torch.compile is not built yet"}),
-    Feature("adapter_slots", "the app's adapters served beside the pool's converted layers (fp8, fused projections, "
-            "sharded): each image's adapters composed into fixed per-layer buffers before its batch, so a captured "
-            "step replays for any adapters and a batch mixes them; the value is the rank one image may use",
+    Feature("adapter_slots", "the app's adapters served with the pool's converted layers (fp8, fused projections, "
+            "sharded; inside each fp8 GEMM where they fit fp8): each image's adapters composed into fixed per-layer "
+            "buffers before its batch, so a captured step replays for any adapters and a batch mixes them; the value "
+            "is the rank one image may use",
             exact=False, scope="replica", where="pool", option="adapter_rank", option_type=int, instead_of="lora",
             excludes={"compile": "adapter buffers under torch.compile are not built",
                       "fused_lora": "a fused adapter leaves no per-request adapters to serve"}),
