@@ -9,7 +9,7 @@
 # KREPEATS repeats), tests (the GPU tests; TEST_ARGS narrows them, e.g. one file), mutate (tests/mutate.py on the GPU:
 # MUTATE_MODULES against MUTATE_TESTS, the mutants named in the file MUTATE_ONLY, MUTATE_CHILDREN at once, into
 # $OUT/mut.tar.gz; mutmut among the wheels), perf (bench/high.py: the served high form against diffusers and
-# lossless at 1024x1024, 28 steps, PERF_ARGS added), probe (bench/lora_exact_probe.py: Triton's K = r dot products
+# lossless at 1024x1024, 28 steps, PERF_ARGS added), vae (bench/vae_decode.py: the VAE decode's forms), probe (bench/lora_exact_probe.py: Triton's K = r dot products
 # against cuBLAS's, and the fused LoRA tail's time against PEFT's three kernels), toy (the toy preset trained on at every size for TOY_SECONDS, from
 # the shipped weights or the folder TOY_RESUME (an earlier call's toy.tar.gz, unpacked and carried), at TOY_SIZES,
 # its whole VAE first for TOY_VAE_SECONDS (TOY_VAE_FLAGS="" tunes the decoder only), the extent head's loss weighted
@@ -78,6 +78,7 @@ for part in ${PARTS:-}; do
     load2|load1) need=$(( SECS + 130 )) ;;
     slots) need=240 ;;
     perf) need=240 ;;
+    vae) need=120 ;;
     probe) need=60 ;;
     kontext) need=240 ;;
     tests) need=${TESTS_NEED:-300} ;;
@@ -93,6 +94,7 @@ for part in ${PARTS:-}; do
     slots) timeout $(( $(left) - 5 )) python3 bench/lora_slots.py ${SLOTS_ARGS:-} --out "$OUT/lora-slots.json" ;;
     perf) timeout $(( $(left) - 5 )) python3 bench/high.py --only "$SERVED_HIGH" --steps 28 --e2e-steps 28 \
             --batches 1 --in-batch 0 --repeats 7 --e2e-repeats 3 ${PERF_ARGS:-} --out "$OUT/perf.json" ;;
+    vae) timeout $(( $(left) - 5 )) python3 bench/vae_decode.py --repeats 9 --out "$OUT/vae-decode.json" ;;
     probe) timeout $(( $(left) - 5 )) python3 bench/lora_exact_probe.py --out "$OUT/lora-exact-probe.json" ;;
     kontext) timeout $(( $(left) - 5 )) python3 bench/e2e.py --model flux-kontext-random --edit --high-default \
                --cuda-graphs --steps 28 --repeats ${KREPEATS:-3} --out "$OUT/e2e-kontext.json" ;;

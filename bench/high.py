@@ -66,6 +66,7 @@ class Variant:
     fp8_adaln: bool = True  # fp8 forms: the AdaLN linears as weight-only fp8 layers (False: kept bf16)
     compiled: bool = False  # blocks through the pipeline's regional torch.compile (compiled before timing)
     attention8_cudnn: bool = True  # attention8 through cuDNN's fp8 SDPA where it applies (False: the Triton kernel)
+    fast_vae: bool = False  # the VAE decode through its channels-last copy (end to end only)
 
     def switches(self) -> Any:
         """The kernel switches this variant sets around each of its calls (step and end to end)."""
@@ -79,7 +80,8 @@ class Variant:
 
 
 # The form a GPU high pool serves with cuda_graphs: model.features.HIGH_DEFAULTS, the fp8 switches at their defaults.
-SERVED_HIGH = "high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 + cuda_graphs"
+SERVED_HIGH = ("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 + cuda_graphs"
+               " + fast_vae")
 
 VARIANTS = [
     Variant("high (GELU sites)"),
@@ -107,8 +109,11 @@ VARIANTS = [
     Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + cuda_graphs", fp8=True,
             fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, cuda_graphs=True),
     Variant("high + fp8 + fused_projections + fast_accum", fp8=True, fused_projections=True, fast_accum=True),
+    Variant("high + fp8 + fused_projections + fast_norm + fp8_norm_producer + fast_accum + attention8 + cuda_graphs",
+            fp8=True, fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True, attention8=True,
+            cuda_graphs=True),
     Variant(SERVED_HIGH, fp8=True, fused_projections=True, fast_norm=True, norm_producer=True, fast_accum=True,
-            attention8=True, cuda_graphs=True),
+            attention8=True, cuda_graphs=True, fast_vae=True),
     # torch.compile on top of the converted form: under a trace our kernels but the residual-gate add take their
     # eager twins (Inductor writes those passes); 8-bit attention does not run compiled, and a compiled batch replays
     # no CUDA graphs.
@@ -186,7 +191,7 @@ def build_variants(ours: FluxServePipeline, variants: list[Variant],
         # the converted copy's form, as its converting pipeline recorded it
         pipe.form = replace(pipe.form, fused_projections=key[0], fp8=key[1])
         pipe.fp8_layers = sum(is_fp8(m) for m in pipe.transformer.modules())
-        pipe.use(fast_norm=v.fast_norm, attention8=v.attention8, step_cache=v.step_cache)
+        pipe.use(fast_norm=v.fast_norm, attention8=v.attention8, step_cache=v.step_cache, fast_vae=v.fast_vae)
         if v.cuda_graphs:
             pipe.enable_cuda_graphs()
         if v.compiled:
@@ -258,7 +263,8 @@ def lossless_step_fn(pipe: FluxServePipeline, inputs: dict[str, Any], calls: int
 
 def time_outside_transformer(pipe: FluxServePipeline, fn: Callable[[], Any]) -> tuple[float, dict[str, float]]:
     """Seconds of one call of `fn` spent outside `pipe`'s transformer forwards, and how much of that went to the
-    text encoders, the VAE decode and the PNG encoding (`rest`: everything else: latents, scheduler, host copies).
+    text encoders, the VAE decode, the decoded tensor to PIL images (`postprocess`: on the host) and the PNG encoding
+    (`rest`: everything else: latents, scheduler, host copies).
     Each timed region is bracketed by a device synchronize, so the call runs a little slower than untimed."""
     import model.pipeline as pipeline_module
 
@@ -293,6 +299,9 @@ def time_outside_transformer(pipe: FluxServePipeline, fn: Callable[[], Any]) -> 
              for h in (m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name)))]
     vae_decode, png, own = inner.vae.decode, pipeline_module.result_png, vars(inner.vae).get("decode")
     inner.vae.decode = timed_call("vae_decode", vae_decode)
+    processor = inner.image_processor
+    to_pil, own_post = processor.postprocess, vars(processor).get("postprocess")
+    processor.postprocess = timed_call("postprocess", to_pil)
     pipeline_module.result_png = timed_call("png", png)
     try:
         total, _ = timed(fn)
@@ -304,8 +313,12 @@ def time_outside_transformer(pipe: FluxServePipeline, fn: Callable[[], Any]) -> 
         else:
             inner.vae.decode = own
         pipeline_module.result_png = png
+        if own_post is None:
+            del processor.postprocess
+        else:
+            processor.postprocess = own_post
     outside = total - inside.pop("transformer", 0.0)
-    parts = {k: inside.get(k, 0.0) for k in ("text_encoders", "vae_decode", "png")}
+    parts = {k: inside.get(k, 0.0) for k in ("text_encoders", "vae_decode", "postprocess", "png")}
     parts["rest"] = outside - sum(parts.values())
     return outside, parts
 
@@ -463,9 +476,15 @@ def main(argv: list[str] | None = None) -> int:
         return GenerationRequest(args.prompt, height=args.size, width=args.size, steps=steps, seed=args.seed,
                                  quality=quality)
 
-    def high_generate(pipe: FluxServePipeline, v: Variant) -> Any:
-        with v.switches():
-            return pipe.generate([req("high", args.e2e_steps)], compiled=v.compiled)
+    def high_generate(pipe: FluxServePipeline, v: Variant, fast_vae: bool | None = None) -> Any:
+        """The variant's high image; `fast_vae` given: with the VAE decode in that form instead of the variant's."""
+        if fast_vae is not None:
+            pipe.use(fast_vae=fast_vae)
+        try:
+            with v.switches():
+                return pipe.generate([req("high", args.e2e_steps)], compiled=v.compiled)
+        finally:
+            pipe.use(fast_vae=v.fast_vae)
 
     quality: dict[str, dict[str, Any]] = defaultdict(dict)
     md5_equal: dict[int, bool] = {}
@@ -497,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             # the lossless pool's served form replays graphed steps (byte-identical: tests/test_graphs_gpu.py)
             "lossless_graphs": lambda: ours.generate([req("lossless", args.e2e_steps)], cuda_graphs=True),
         }
+        if by_name[high_name].fast_vae:  # the same image with diffusers' VAE decode: what fast_vae saves
+            fns["high_stock_vae"] = lambda: high_generate(variants[high_name], by_name[high_name], fast_vae=False)
         if yardstick is not None and TORCHAO not in errors:
             ao_pipe = type(reference)(**{**reference.components, "transformer": yardstick.transformer})
             fns[TORCHAO] = lambda: run_flux_pipeline(ao_pipe, [req("lossless", args.e2e_steps)])
@@ -532,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                                "fast_norm": v.fast_norm, "cuda_graphs": v.cuda_graphs, "step_cache": v.step_cache,
                                "fp8_norm_producer": v.norm_producer, "attention8": v.attention8,
                                "fp8_fast_accum": v.fast_accum, "fp8_adaln": v.fp8 and v.fp8_adaln,
-                               "compiled": v.compiled}
+                               "compiled": v.compiled, "fast_vae": v.fast_vae}
         if v.compiled and v.name in variants:
             row["compile_warmup_s"] = variants[v.name].compile_warmup_s
         if v.name in e2e:

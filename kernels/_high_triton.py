@@ -158,3 +158,118 @@ def rms_rope_fast(
     else:
         _rms_rope_fast_tuned[lambda m: (triton.cdiv(M, m["ROWS"]), triton.cdiv(H, m["HB"]))](*args, **meta)
     return (out, descale) if fp8 else out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GroupNorm (+ the SiLU after it) over channels-last activations [B, L, C]: the VAE decoder of `high` batches
+# ----------------------------------------------------------------------------------------------------------------
+#
+# Three launches: per chunk of pixels each group's (count, mean, M2), merged across tiles by Chan's rule (no
+# E[x^2] - E[x]^2 cancellation); per image and group the merged mean and 1/std; then one read and one write of the
+# activation, normalized, scaled, shifted and (optionally) through SiLU, rounded once.
+
+
+@triton.jit
+def _group_stats_kernel(x_ptr, part_ptr, L, CHUNK, S,
+                        C: tl.constexpr, G: tl.constexpr, BLOCK_P: tl.constexpr):
+    chunk = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    CPG: tl.constexpr = C // G
+    chans = tl.arange(0, C)
+    n_acc = tl.zeros((G,), tl.float32)
+    mean_acc = tl.zeros((G,), tl.float32)
+    m2_acc = tl.zeros((G,), tl.float32)
+    start = chunk * CHUNK
+    for off in range(0, CHUNK, BLOCK_P):
+        rows = off + tl.arange(0, BLOCK_P)
+        pix = start + rows
+        keep = (pix < L) & (rows < CHUNK)
+        mask = keep[:, None] & (chans[None, :] < C)
+        x = tl.load(x_ptr + (b * L + pix)[:, None] * C + chans[None, :], mask=mask, other=0.0).to(tl.float32)
+        m3 = tl.reshape(mask.to(tl.float32), (BLOCK_P, G, CPG))
+        x3 = tl.reshape(x, (BLOCK_P, G, CPG))
+        cnt = tl.sum(tl.sum(m3, axis=2), axis=0)
+        tile_mean = tl.sum(tl.sum(x3, axis=2), axis=0) / tl.maximum(cnt, 1.0)
+        d = (x3 - tile_mean[None, :, None]) * m3
+        tile_m2 = tl.sum(tl.sum(d * d, axis=2), axis=0)
+        n_new = n_acc + cnt
+        delta = tile_mean - mean_acc
+        w = cnt / tl.maximum(n_new, 1.0)
+        mean_acc = mean_acc + delta * w
+        m2_acc = m2_acc + tile_m2 + delta * delta * n_acc * w
+        n_acc = n_new
+    groups = tl.arange(0, G)
+    base = part_ptr + ((b * S + chunk) * 3) * G
+    tl.store(base + groups, n_acc)
+    tl.store(base + G + groups, mean_acc)
+    tl.store(base + 2 * G + groups, m2_acc)
+
+
+@triton.jit
+def _group_finish_kernel(part_ptr, mean_ptr, rstd_ptr, S, eps, G: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    groups = tl.arange(0, G)
+    n_tot = tl.zeros((G,), tl.float32)
+    s_tot = tl.zeros((G,), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        ok = (s < S)[:, None] & (groups[None, :] < G)
+        base = part_ptr + ((b * S + s)[:, None] * 3) * G + groups[None, :]
+        n = tl.load(base, mask=ok, other=0.0)
+        n_tot += tl.sum(n, axis=0)
+        s_tot += tl.sum(n * tl.load(base + G, mask=ok, other=0.0), axis=0)
+    mean = s_tot / n_tot
+    m2 = tl.zeros((G,), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        ok = (s < S)[:, None] & (groups[None, :] < G)
+        base = part_ptr + ((b * S + s)[:, None] * 3) * G + groups[None, :]
+        n = tl.load(base, mask=ok, other=0.0)
+        d = tl.load(base + G, mask=ok, other=0.0) - mean[None, :]
+        m2 += tl.sum(tl.load(base + 2 * G, mask=ok, other=0.0) + n * d * d, axis=0)
+    tl.store(mean_ptr + b * G + groups, mean)
+    tl.store(rstd_ptr + b * G + groups, tl.math.rsqrt(m2 / n_tot + eps))
+
+
+@triton.jit
+def _group_apply_kernel(x_ptr, out_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, L,
+                        C: tl.constexpr, G: tl.constexpr, SILU: tl.constexpr, TY: tl.constexpr,
+                        BLOCK_P: tl.constexpr):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    pix = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    chans = tl.arange(0, C)
+    mask = (pix < L)[:, None] & (chans[None, :] < C)
+    offs = (b * L + pix)[:, None] * C + chans[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    group = chans // (C // G)
+    mean = tl.load(mean_ptr + b * G + group)
+    scale = tl.load(rstd_ptr + b * G + group) * tl.load(w_ptr + chans).to(tl.float32)
+    y = (x - mean[None, :]) * scale[None, :] + tl.load(b_ptr + chans).to(tl.float32)[None, :]
+    if SILU:
+        y = y / (1.0 + tl.exp(-y))
+    tl.store(out_ptr + offs, _cast(y, TY), mask=mask)
+
+
+# Elements of one [pixels, C] tile; the stats pass gives each program about this many pixels per image.
+_GN_TILE = 8192
+_GN_CHUNKS = 512
+
+
+def group_norm_channels_last(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                             silu: bool) -> torch.Tensor:
+    """x [B, L, C] contiguous (C a power of two, a multiple of `groups`) -> the same shape: GroupNorm over each
+    image's C // groups channels x L pixels, affine, then SiLU if `silu`; one rounding to x's dtype."""
+    bsz, length, c = x.shape
+    out = torch.empty_like(x)
+    block_p = max(1, _GN_TILE // c)
+    chunk = triton.cdiv(triton.cdiv(length, _GN_CHUNKS), block_p) * block_p
+    s = triton.cdiv(length, chunk)
+    part = torch.empty((bsz, s, 3, groups), device=x.device, dtype=torch.float32)
+    mean = torch.empty((bsz, groups), device=x.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    _group_stats_kernel[(s, bsz)](x, part, length, chunk, s, C=c, G=groups, BLOCK_P=block_p)
+    _group_finish_kernel[(bsz,)](part, mean, rstd, s, eps, G=groups, BLOCK_S=max(1, 4096 // groups))
+    _group_apply_kernel[(triton.cdiv(length, block_p), bsz)](x, out, mean, rstd, weight, bias, length, C=c, G=groups,
+                                                             SILU=silu, TY=_TL_DTYPE[x.dtype], BLOCK_P=block_p)
+    return out

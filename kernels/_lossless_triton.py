@@ -8,11 +8,14 @@ fp32 like aten's opmath, and launch with `enable_fp_fusion=False` so no multiply
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from .cache import autotune
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -603,18 +606,34 @@ def _gelu_tanh_lora_kernel(
     tl.store(out_ptr + rm[:, None] * out_sr + rn[None, :], _cast(g, TY), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+# Tiles timed per (M, N, rank) on the GPU: the tile shape changes which outputs a program writes, not how one
+# output's K = r sum runs (the gate checks each signature anyway); the interpreter takes LORA_TAIL_CONFIG.
+_LORA_CONFIGS = [triton.Config({"BM": bm, "BN": bn}, num_warps=w)
+                 for bm, bn, w in ((64, 128, 4), (128, 128, 8), (64, 256, 8), (128, 64, 4), (32, 256, 4),
+                                   (128, 256, 8))]
+_lora_tail_tuned = autotune(_LORA_CONFIGS, key=["M", "N", "R"])(_lora_tail_kernel)
+_gelu_tanh_lora_tuned = autotune(_LORA_CONFIGS, key=["M", "N", "R"])(_gelu_tanh_lora_kernel)
+
+
+def _lora_launch(kernel: Any, tuned: Any, M: int, N: int, *args: Any, **meta: Any) -> None:
+    """Launch a LoRA-term kernel over [M, N]: the tuned one on the GPU, LORA_TAIL_CONFIG's tile in the interpreter."""
+    if _interpreting():
+        config = LORA_TAIL_CONFIG
+        kernel[(triton.cdiv(M, config["BM"]), triton.cdiv(N, config["BN"]))](
+            *args, BM=config["BM"], BN=config["BN"], num_warps=config["num_warps"], **meta)
+    else:
+        tuned[lambda m: (triton.cdiv(M, m["BM"]), triton.cdiv(N, m["BN"]))](*args, **meta)
+
+
 def gelu_tanh_lora(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor,
                    fma_inner: bool | None = None) -> torch.Tensor:
     """gelu_tanh(y + F.linear(t, b) * scale) into out: y [M, N], t [M, r], b [N, r] contiguous (one dtype, r a
     multiple of 16), out [M, N] with unit columns; returns out."""
     M, N = y.shape
-    config = LORA_TAIL_CONFIG
-    _gelu_tanh_lora_kernel[(triton.cdiv(M, config["BM"]), triton.cdiv(N, config["BN"]))](
-        y, t, b, out, M, N, out.stride(0), float(scale), R=t.shape[1], TY=_TL_DTYPE[y.dtype], BM=config["BM"],
-        BN=config["BN"], BETA=_GELU_BETA, KAPPA=_GELU_KAPPA,
-        FMA_INNER=GELU_FMA_INNER if fma_inner is None else fma_inner, INTERPRET=_interpreting(),
-        enable_fp_fusion=False, num_warps=config["num_warps"],
-    )
+    _lora_launch(_gelu_tanh_lora_kernel, _gelu_tanh_lora_tuned, M, N,
+                 y, t, b, out, M, N, out.stride(0), float(scale), R=t.shape[1], TY=_TL_DTYPE[y.dtype],
+                 BETA=_GELU_BETA, KAPPA=_GELU_KAPPA, FMA_INNER=GELU_FMA_INNER if fma_inner is None else fma_inner,
+                 INTERPRET=_interpreting(), enable_fp_fusion=False)
     return out
 
 
@@ -622,9 +641,6 @@ def lora_tail(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float) -
     """y [M, N], t [M, r], b [N, r] (contiguous, one dtype; r a multiple of 16) -> y + F.linear(t, b) * scale."""
     M, N = y.shape
     out = torch.empty_like(y)
-    config = LORA_TAIL_CONFIG
-    _lora_tail_kernel[(triton.cdiv(M, config["BM"]), triton.cdiv(N, config["BN"]))](
-        y, t, b, out, M, N, float(scale), R=t.shape[1], TY=_TL_DTYPE[y.dtype], BM=config["BM"], BN=config["BN"],
-        enable_fp_fusion=False, num_warps=config["num_warps"],
-    )
+    _lora_launch(_lora_tail_kernel, _lora_tail_tuned, M, N,
+                 y, t, b, out, M, N, float(scale), R=t.shape[1], TY=_TL_DTYPE[y.dtype], enable_fp_fusion=False)
     return out

@@ -79,6 +79,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature("attention8", "8-bit attention: cuDNN's fp8 SDPA on Hopper, else the Triton int8 Q K^T / fp8 P V kernel",
             exact=False, scope="batch", where="pool", devices=("cuda",), dtypes=_HALF, high_default=True,
             default_with=("cuda_graphs",), site=True),
+    Feature("fast_vae", "the VAE decode through a channels-last copy of the decoder, each GroupNorm and the SiLU after "
+            "it in one pass", exact=False, scope="batch", where="pool", devices=("cuda",), dtypes=_HALF,
+            high_default=True),
     Feature("fused_projections", "q/k/v (and the single block's MLP up-projection) as one GEMM each", exact=False,
             scope="replica", where="pool", high_default=True),
     Feature("fp8", "e4m3 linear layers: per-channel weight and per-row activation scales, torch._scaled_mm",

@@ -43,6 +43,7 @@ class ServingForm:
     # High batches' defaults: switched on around each high batch (a request may set its own step cache).
     fast_norm: bool = False
     attention8: bool = False
+    fast_vae: bool = False
     step_cache: float | None = None
     # Where fp8 was asked for but cannot run (the builder keeps bf16): why.
     refused: tuple[tuple[str, str], ...] = field(default=())

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from model import faults, peft_tail, prompt_cache
+from model import faults, peft_tail, prompt_cache, vae
 from model.family import family_of
 from model.features import HIGH_DEFAULTS, feature
 from model.form import BATCH_DEFAULTS, ServingForm
@@ -592,14 +592,15 @@ class FluxServePipeline:
         `convert_for_high`'s report."""
         form = self.convert_for_high(fp8="fp8" in HIGH_DEFAULTS and self.fp8_refusal() is None,
                                      fused_projections="fused_projections" in HIGH_DEFAULTS)
-        self.use(fast_norm="fast_norm" in HIGH_DEFAULTS, attention8="attention8" in HIGH_DEFAULTS)
+        self.use(fast_norm="fast_norm" in HIGH_DEFAULTS, attention8="attention8" in HIGH_DEFAULTS,
+                 fast_vae="fast_vae" in HIGH_DEFAULTS)
         return form
 
     def plan(self, quality: Quality, compiled: bool | None = None, cuda_graphs: bool | None = None,
              step_cache: float | None = None) -> TierPlan:
         """The tier plan of a batch of `quality` under this pipeline's settings. `compiled` (default: after
         `enable_compile`) applies to high batches only; `cuda_graphs` (default: after `enable_cuda_graphs`) to
-        either tier except a compiled high batch or one with a step cache; the form's fast_norm and attention8 on
+        either tier except a compiled high batch or one with a step cache; the form's fast_norm, attention8 and fast_vae on
         CUDA fp16/bf16 only (elsewhere the sites stay exact). `step_cache`: the batch's threshold (default:
         the form's; 0: every step computed)."""
         if compiled is None:
@@ -617,7 +618,8 @@ class FluxServePipeline:
         return plan_tier(quality, fast_norm=form.fast_norm and self.runs("fast_norm"),
                          attention8=form.attention8 and self.runs("attention8"), compiled=compiled,
                          cuda_graphs=cuda_graphs, fp8=form.fp8, fused_projections=form.fused_projections,
-                         step_cache=(form.step_cache if step_cache is None else step_cache) or None)
+                         step_cache=(form.step_cache if step_cache is None else step_cache) or None,
+                         fast_vae=form.fast_vae and self.runs("fast_vae"))
 
     def generate(self, requests: list[GenerationRequest], progress: bool = False,
                  should_stop: Callable[[], bool] | None = None,
@@ -640,7 +642,7 @@ class FluxServePipeline:
                 with applied_tier(self.transformer, plan, block_runners=self._compiled_runners,
                                   step_graphs=self._step_graphs, agree=agree,
                                   adapters=requests[0].loras if self._slots is None else self._slots.state.on
-                                  ) as report:
+                                  ) as report, vae.decoding(self.pipe, plan.fast_vae):
                     if report.mount_report is not None:
                         self.last_mount_report = report.mount_report
                     t1 = time.perf_counter()
@@ -664,7 +666,7 @@ class FluxServePipeline:
         ran = Ran(gelu_sites=report.mounted_sites, fast_norm_sites=report.fast_norm_sites,
                   attention8_sites=report.attention8_sites, fp8_layers=self.fp8_layers,
                   fused_projections=self.fused_projections, compiled=plan.compiled, graphed=graphed,
-                  step_cache=plan.step_cache, adapters=requests[0].loras,
+                  step_cache=plan.step_cache, fast_vae=plan.fast_vae, adapters=requests[0].loras,
                   fused_adapter=self.fused_lora)
         results = [GenerationResult(png=None, image=im, latents=lat, seed=r.seed, quality=quality,
                                     ran=ran if r.loras == ran.adapters else replace(ran, adapters=r.loras),

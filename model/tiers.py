@@ -34,6 +34,7 @@ class TierPlan:
     attention8: bool = False  # 8-bit attention (int8 Q K^T, fp8 P V) instead of SDPA (not bit-exact)
     compiled: bool = False  # the blocks through their regional torch.compile graphs
     cuda_graphs: bool = False  # each step replayed from a CUDA graph (bit-identical to eager)
+    fast_vae: bool = False  # the VAE decode through its channels-last copy (model/vae.py; not bit-exact)
     # The transformer's lifetime form (converted once when a high replica starts, not per batch): fp8 linear layers,
     # and q/k/v (+ the single block's MLP up-projection) as one GEMM each.
     fp8: bool = False
@@ -58,14 +59,14 @@ class TierPlan:
 # TierPlan field -> its row of the feature table.
 _TECHNIQUE_OF = {"mount_gelu": "gelu_sites", "fast_norm": "fast_norm", "attention8": "attention8",
                  "compiled": "compile", "cuda_graphs": "cuda_graphs", "fp8": "fp8",
-                 "fused_projections": "fused_projections", "step_cache": "step_cache"}
+                 "fused_projections": "fused_projections", "step_cache": "step_cache", "fast_vae": "fast_vae"}
 # Pairs of the table's exclusions that no single batch can run (the others are a pool's choice, measured).
 _CONTRADICTIONS = (("gelu_sites", "fp8"), ("compile", "cuda_graphs"))
 
 
 def plan_tier(quality: Quality, *, fast_norm: bool = False, attention8: bool = False, compiled: bool = False,
               cuda_graphs: bool = False, fp8: bool = False, fused_projections: bool = False,
-              step_cache: float | None = None) -> TierPlan:
+              step_cache: float | None = None, fast_vae: bool = False) -> TierPlan:
     """The plan of one batch: `high` mounts the GELU sites (unless fp8 layers take the GELU) and takes the opt-ins
     it is given; `lossless` none of them. CUDA graphs apply to either tier, except inside a compiled batch (a
     step-cache batch replays the blocks after the first from a graph: `model.execution.FirstBlockCache`).
@@ -76,7 +77,7 @@ def plan_tier(quality: Quality, *, fast_norm: bool = False, attention8: bool = F
                     attention8=high and attention8,
                     compiled=high and compiled,
                     cuda_graphs=cuda_graphs and not (high and compiled), fp8=fp8,
-                    fused_projections=fused_projections, step_cache=cache)
+                    fused_projections=fused_projections, step_cache=cache, fast_vae=high and fast_vae)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class Ran:
     compiled: bool = False  # the blocks ran through their compiled graphs
     graphed: bool = False  # steps (or, with a step cache, the blocks after the first) replayed from CUDA graphs
     step_cache: float | None = None  # the First-Block step cache threshold (skipped steps: timings.cached_steps)
+    fast_vae: bool = False  # decoded by the VAE's channels-last copy (model/vae.py)
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA adapters (name, scale) switched on for the batch
     fused_adapter: tuple[str, float] | None = None  # the adapter merged into the weights at start, if any
 

@@ -176,7 +176,7 @@ def test_the_local_engine_serves_the_pools_settings(tiny_path, threads, caplog) 
     assert (p.form.fast_norm, p.form.attention8, p.form.step_cache) == (True, False, 0.25)
     assert (p.fused_projections, p.fp8) == (True, False) and torch.get_num_threads() == 2
     form = high.stats()["form"]
-    assert form["techniques"] == ["cuda_graphs", "fast_norm", "fused_projections", "step_cache"], form
+    assert form["techniques"] == ["cuda_graphs", "fast_norm", "fast_vae", "fused_projections", "step_cache"], form
     assert list(form["refused"]) == ["fp8"] and "CUDA" in form["refused"]["fp8"]
     assert any("fp8 refused" in r.getMessage() for r in caplog.records)
     assert high.stats()["cuda_graphs"] == p.step_graphs.stats() and p.cuda_graphs_enabled

@@ -100,15 +100,15 @@ def test_device_bound_options_are_refused_elsewhere() -> None:
 
 
 @pytest.mark.parametrize("raw, expected", [
-    ({}, {"fast_norm", "fp8", "fused_projections"}),  # attention8 waits for cuda_graphs
+    ({}, {"fast_norm", "fast_vae", "fp8", "fused_projections"}),  # attention8 waits for cuda_graphs
     ({"device": "cuda", "pools": {"high": {"cuda_graphs": True}}},
-     {"fast_norm", "fp8", "fused_projections", "attention8", "cuda_graphs"}),
-    ({"pools": {"high": {"tp": 2}}}, {"fast_norm", "fused_projections", "fp8"}),  # no graphs at tp > 1: no attention8
-    ({"pools": {"high": {"compile": True}}}, {"fast_norm", "compile"}),
-    ({"loras": {"ink": "/x"}}, {"fast_norm"}),  # per-request adapters keep the linears bf16
+     {"fast_norm", "fast_vae", "fp8", "fused_projections", "attention8", "cuda_graphs"}),
+    ({"pools": {"high": {"tp": 2}}}, {"fast_norm", "fast_vae", "fused_projections", "fp8"}),  # no graphs at tp > 1: no attention8
+    ({"pools": {"high": {"compile": True}}}, {"fast_norm", "fast_vae", "compile"}),
+    ({"loras": {"ink": "/x"}}, {"fast_norm", "fast_vae"}),  # per-request adapters keep the linears bf16
     ({"loras": {"ink": "/x"}, "fuse_lora": True, "device": "cuda", "pools": {"high": {"cuda_graphs": True}}},
-     {"fast_norm", "fp8", "fused_projections", "attention8", "cuda_graphs"}),
-    ({"pools": {"high": {"fp8": False}}}, {"fast_norm", "fused_projections"}),  # a default turned off stays off
+     {"fast_norm", "fast_vae", "fp8", "fused_projections", "attention8", "cuda_graphs"}),
+    ({"pools": {"high": {"fp8": False}}}, {"fast_norm", "fast_vae", "fused_projections"}),  # a default turned off stays off
 ])
 def test_high_defaults_follow_the_table(raw: dict, expected: set) -> None:
     args = AppArgs.parse(raw)
@@ -118,7 +118,7 @@ def test_high_defaults_follow_the_table(raw: dict, expected: set) -> None:
 
 def test_high_defaults_are_the_rows_marked_so() -> None:
     assert HIGH_DEFAULTS == {f.name for f in FEATURES if f.high_default} == {
-        "fused_projections", "fp8", "fast_norm", "attention8"}
+        "fused_projections", "fp8", "fast_norm", "attention8", "fast_vae"}
 
 
 def test_a_pools_form_carries_its_techniques() -> None:

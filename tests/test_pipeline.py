@@ -665,7 +665,7 @@ def test_each_result_reports_what_its_batch_ran(tiny_path) -> None:
     assert high.ran == Ran(fused_projections=True)  # 0: every step computed; no graph replays on the CPU
     assert high.ran.as_dict() == {"gelu_sites": 0, "fast_norm_sites": 0, "attention8_sites": 0, "fp8_layers": 0,
                                   "fused_projections": True, "compiled": False, "graphed": False,
-                                  "step_cache": None, "adapters": [], "fused_adapter": None}
+                                  "step_cache": None, "fast_vae": False, "adapters": [], "fused_adapter": None}
     assert Ran(adapters=(("ink", 0.5),), fused_adapter=("sun", 1.0)).as_dict()["adapters"] == [
         {"name": "ink", "scale": 0.5}]
     assert Ran(fused_adapter=("sun", 1.0)).as_dict()["fused_adapter"] == {"name": "sun", "scale": 1.0}

@@ -46,7 +46,8 @@ APP = "fluxserve"
 TP_HIGH = 2
 # What a request that ran the plain model reports (model.tiers.Ran as JSON)
 NOTHING_RAN = {"gelu_sites": 0, "fast_norm_sites": 0, "attention8_sites": 0, "fp8_layers": 0, "fused_projections": False,
-               "compiled": False, "graphed": False, "step_cache": None, "adapters": [], "fused_adapter": None}
+               "compiled": False, "graphed": False, "step_cache": None, "fast_vae": False, "adapters": [],
+               "fused_adapter": None}
 # Prompts that model.faults slows down (seconds per denoising step), in every Ray process these tests start.
 SLOW = "slow request for a deadline test"
 BLOCKER = "blocker request keeping a replica busy"

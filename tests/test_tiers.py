@@ -111,10 +111,11 @@ def test_ran_as_json_names_every_field() -> None:
     from model.tiers import Ran
 
     ran = Ran(gelu_sites=1, fast_norm_sites=2, attention8_sites=3, fp8_layers=4, fused_projections=True,
-              compiled=True, graphed=False, step_cache=0.5, adapters=(("ink", 0.8), ("sun", -1.0)),
+              compiled=True, graphed=False, step_cache=0.5, fast_vae=True, adapters=(("ink", 0.8), ("sun", -1.0)),
               fused_adapter=("oil", 1.0))
     assert ran.as_dict() == {"gelu_sites": 1, "fast_norm_sites": 2, "attention8_sites": 3, "fp8_layers": 4,
                              "fused_projections": True, "compiled": True, "graphed": False, "step_cache": 0.5,
+                             "fast_vae": True,
                              "adapters": [{"name": "ink", "scale": 0.8}, {"name": "sun", "scale": -1.0}],
                              "fused_adapter": {"name": "oil", "scale": 1.0}}
     assert Ran().as_dict()["fused_adapter"] is None and Ran().as_dict()["adapters"] == []
