@@ -268,8 +268,9 @@ def group_norm_channels_last(x: torch.Tensor, groups: int, weight: torch.Tensor,
     part = torch.empty((bsz, s, 3, groups), device=x.device, dtype=torch.float32)
     mean = torch.empty((bsz, groups), device=x.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    _group_stats_kernel[(s, bsz)](x, part, length, chunk, s, C=c, G=groups, BLOCK_P=block_p)
+    _group_stats_kernel[(s, bsz)](x, part, length, chunk, s, C=c, G=groups, BLOCK_P=block_p, num_warps=8)
     _group_finish_kernel[(bsz,)](part, mean, rstd, s, eps, G=groups, BLOCK_S=max(1, 4096 // groups))
     _group_apply_kernel[(triton.cdiv(length, block_p), bsz)](x, out, mean, rstd, weight, bias, length, C=c, G=groups,
-                                                             SILU=silu, TY=_TL_DTYPE[x.dtype], BLOCK_P=block_p)
+                                                             SILU=silu, TY=_TL_DTYPE[x.dtype], BLOCK_P=block_p,
+                                                             num_warps=8)
     return out
