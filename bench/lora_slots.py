@@ -31,7 +31,9 @@ import shlex
 import statistics
 import sys
 import tempfile
+from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,6 +50,33 @@ from tests._inputs import write_random_lora  # noqa: E402
 
 def _db(value: float) -> float | str:
     return round(value, 2) if value != float("inf") else "inf"  # (equal images: JSON has no infinity)
+
+
+def kernel_ms(fn: Any) -> dict[str, float]:
+    """CUDA kernel time (ms) by kernel name over one call of `fn` (torch.profiler; graph replays' kernels included
+    where CUPTI reports them); {} off CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        if us:
+            out[evt.key[:120]] += us / 1000.0
+    return dict(out)
+
+
+def kernel_delta(base: dict[str, float], lora: dict[str, float], top: int = 15) -> dict[str, Any]:
+    """Where an adapter image's extra kernel time goes: the names whose time grew most (ms per image), and totals."""
+    names = set(base) | set(lora)
+    delta = sorted(((lora.get(n, 0.0) - base.get(n, 0.0), n) for n in names), reverse=True)
+    return {"base_ms": round(sum(base.values()), 2), "lora_ms": round(sum(lora.values()), 2),
+            "grew": [{"kernel": n, "ms": round(d, 3), "base_ms": round(base.get(n, 0.0), 3)} for d, n in delta[:top]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             if i:
                 times[name].append(t)
     out = outs["lossless_lora"]
+    profiles = {"lossless": kernel_delta(kernel_ms(lambda: pipe.generate(lossless["lossless"])),
+                                         kernel_ms(lambda: pipe.generate(lossless["lossless_lora"])))}
     eager = pipe.generate(lossless["lossless_lora"], cuda_graphs=False)[0]
     lossless_base = pipe.generate(lossless["lossless"])[0]
     lossless_equal = eager.png == out[0].png and bool(torch.equal(eager.latents, out[0].latents))
@@ -139,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             times[name].append(t)
         print(f"  repeat {i}: " + ", ".join(f"{k} {times[k][-1]:.3f}s" for k in variants), flush=True)
     slots = pipe.adapter_slots
+    profiles["high"] = kernel_delta(kernel_ms(lambda: pipe.generate(variants["base"])),
+                                    kernel_ms(lambda: pipe.generate(variants["lora"])))
 
     def switch(rows: list) -> None:
         slots.compose(rows)
@@ -185,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "adapter_switch_ms": round(1000 * statistics.median(switch_s), 3),
         "captures_during_timed_runs": captured,  # the slot repeats and switches (the beside form captures its own)
         "graph_stats": None if graphs is None else graphs.stats(),
+        "kernels_lora_minus_base": profiles,  # one image each, profiled apart from the timed runs
         "note": "random weights: speed only",
     }
     out = Path(args.out)
