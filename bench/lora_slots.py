@@ -12,6 +12,8 @@ high form. Each repeat interleaves, after a warm-up that captures every graph (m
               projections)
   one4        high, batch 4, the same adapter on every image
   mixed4      high, batch 4, four different adapters, one per image
+  lora_xa_two_kernels  lora with each layer's x A^T through a scaled_mm and a saturating copy (the one-pass
+              `kernels.fp8.rows_times_into` switched off)
 Then, unless --no-compare-beside, base and lora again with every adapter added after its layer's GEMM (the form an
 adapter too strong for fp8 columns beside the weight takes) instead of inside the fp8 GEMMs.
 Also: switching adapters between batches (composing another set into the buffers, synchronized), and the graph
@@ -158,15 +160,22 @@ def main(argv: list[str] | None = None) -> int:
         "lora": [req((("a0", 1.0),))],
         "one4": [req((("a0", 1.0),), seed=i) for i in range(4)],
         "mixed4": [req(((n, 1.0),), seed=i) for i, n in enumerate(names)],
+        # x A^T through a scaled_mm and a saturating copy instead of the one pass (switch fp8_rows_times_a off)
+        "lora_xa_two_kernels": [req((("a0", 1.0),))],
     }
-    for batch in variants.values():  # warm-up: every graph captured
-        pipe.generate(batch)
+
+    def run(name: str, batch: list) -> Any:
+        with switches.override(fp8_rows_times_a=name != "lora_xa_two_kernels"):
+            return pipe.generate(batch)
+
+    for name, batch in variants.items():  # warm-up: every graph captured
+        run(name, batch)
     captures = graphs.captures if graphs is not None else 0
     times.update({k: [] for k in variants})
     last: dict[str, list] = {}
     for i in range(args.repeats):
         for name, batch in variants.items():
-            t, last[name] = timed(lambda: pipe.generate(batch))
+            t, last[name] = timed(lambda: run(name, batch))
             times[name].append(t)
         print(f"  repeat {i}: " + ", ".join(f"{k} {times[k][-1]:.3f}s" for k in variants), flush=True)
     slots = pipe.adapter_slots
@@ -201,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "form": sorted(pipe.form.techniques()), "fp8_layers": pipe.fp8_layers,
         "seconds": med, "seconds_all": times,
         "lora_overhead_high_pct": round(100 * (med["lora"] / med["base"] - 1), 2),
+        "lora_overhead_high_xa_two_kernels_pct": round(100 * (med["lora_xa_two_kernels"] / med["base"] - 1), 2),
         "lora_overhead_lossless_pct": round(100 * (med["lossless_lora"] / med["lossless"] - 1), 2),
         "lora_overhead_lossless_peft_pct": round(100 * (med["lossless_lora_peft"] / med["lossless"] - 1), 2),
         "lossless_lora_tail_png_equal_peft": tail_equal,

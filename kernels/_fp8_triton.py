@@ -269,3 +269,52 @@ def copy_saturated(src: torch.Tensor, dst: torch.Tensor) -> None:
                                                  BLOCK_W=block_w, INTERPRET=interpret, num_warps=4)
     if interpret:
         dst.copy_(out)
+
+
+@triton.jit
+def _rows_a_kernel(q_ptr, a_ptr, s_ptr, out_ptr, M, K, W, q_sr, out_sr,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, INTERPRET: tl.constexpr):
+    # fp8 rows [BLOCK_M, K] (unit scales: the layer's GEMM applies the rows' own) @ fp8 A [W, K]^T, times A's
+    # per-row scales [W], saturated into fp8 columns (the rows' spare columns): the GEMM and the cast in one pass,
+    # no bf16 [M, W] in between. INTERPRET: operands come as fp32 (the interpreter loads no fp8).
+    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    w = tl.arange(0, BLOCK_W)
+    m_ok, w_ok = m < M, w < W
+    acc = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(q_ptr + m[:, None] * q_sr + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptr + w[None, :] * K + k[:, None], mask=w_ok[None, :] & k_ok[:, None], other=0.0)
+        if INTERPRET:
+            acc = tl.dot(x, a, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, a, acc)
+    acc = acc * tl.load(s_ptr + w, mask=w_ok, other=0.0)[None, :]
+    tl.store(out_ptr + m[:, None] * out_sr + w[None, :], fp8_saturate(acc, INTERPRET),
+             mask=m_ok[:, None] & w_ok[None, :])
+
+
+_ROWS_A_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_K": k}, num_warps=w, num_stages=st)
+                   for m, k, w, st in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 256, 8, 3),
+                                       (32, 256, 4, 4))]
+_rows_a_tuned = autotune(_ROWS_A_CONFIGS, key=["M", "K", "W"])(_rows_a_kernel)
+
+
+def rows_times_into(q: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst (fp8 [M, W], unit last stride) = fp8(q [M, K] @ a [W, K]^T * a_scale [W]), saturating; q and a fp8 with
+    unit last strides, a contiguous."""
+    M, K = q.shape
+    W = a.shape[0]
+    if not M:
+        return
+    interpret = _interpreting()
+    out = _host_rows(dst) if interpret else dst
+    args = (q.float() if interpret else q, a.float() if interpret else a, a_scale.reshape(-1), out, M, K, W,
+            q.stride(0) if not interpret else K, out.stride(0))
+    meta = dict(BLOCK_W=max(16, triton.next_power_of_2(W)), INTERPRET=interpret)
+    if interpret:
+        _rows_a_kernel[(triton.cdiv(M, 32),)](*args, BLOCK_M=32, BLOCK_K=32, **meta)
+        dst.copy_(out)
+    else:
+        _rows_a_tuned[lambda c: (triton.cdiv(M, c["BLOCK_M"]),)](*args, **meta)

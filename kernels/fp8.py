@@ -146,6 +146,33 @@ def _spread(q: torch.Tensor, spare: int) -> torch.Tensor:
     return out
 
 
+ROWS_TIMES = switches.register("fp8_rows_times_a", True,
+                              "an adapter's x A^T into the rows' spare fp8 columns in one Triton pass (else a "
+                              "scaled_mm and a saturating copy)")
+
+
+def rows_times_eager(q: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, dst: torch.Tensor,
+                     ones: torch.Tensor | None = None) -> None:
+    """`rows_times_into`'s twin: the fp8 GEMM (unit row scales: `ones` [M, 1] where the caller keeps them) to bf16,
+    then the saturating copy."""
+    if ones is None:
+        ones = torch.ones(q.shape[0], 1, device=q.device, dtype=torch.float32)
+    copy_saturated(rows_matmul(q, a, ones, a_scale.reshape(1, -1), None), dst)
+
+
+def rows_times_into(q: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, dst: torch.Tensor,
+                    ones: torch.Tensor | None = None) -> None:
+    """dst (fp8 [M, W], a view of rows' spare columns) = q [M, K] @ a [W, K]^T * a_scale [W] in e4m3, saturating:
+    fp8 rows (their own scales left to the GEMM that reads dst) times an adapter's fp8 A. One pass on CUDA."""
+    if ROWS_TIMES.value and _device_supported(q.device) and q.stride(-1) == 1 and dst.stride(-1) == 1 \
+            and a.is_contiguous() and not torch.compiler.is_compiling():
+        from . import _fp8_triton
+
+        _fp8_triton.rows_times_into(q, a, a_scale, dst)
+        return
+    rows_times_eager(q, a, a_scale, dst, ones)
+
+
 def copy_saturated(src: torch.Tensor, dst: torch.Tensor) -> None:
     """dst (fp8 [M, W], maybe a strided view) = src [M, W] in e4m3, saturating at +-FP8_MAX: one pass on CUDA."""
     if _device_supported(src.device) and src.stride(-1) == 1 and dst.stride(-1) == 1 \

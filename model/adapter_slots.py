@@ -150,8 +150,8 @@ class Side:
         for b in range(batch):
             mine = slice(b * per_row, (b + 1) * per_row)
             # x A^T c / s (s: the row's scale, which the GEMM multiplies back): unit row scales, A's scales times c
-            xa = fp8_ops.rows_matmul(x.q[mine], self.a8[b], ones[:per_row], self.a8_scale[b], None)
-            fp8_ops.copy_saturated(xa, extra[mine, b * width:(b + 1) * width])
+            fp8_ops.rows_times_into(x.q[mine], self.a8[b], self.a8_scale[b], extra[mine, b * width:(b + 1) * width],
+                                    ones[:per_row])
         y = fp8_ops.rows_matmul(rows, self.weight[:, :k + columns], x.scale, layer.weight_scale, bias)
         return y.view(*x.shape[:-1], n)
 

@@ -465,6 +465,44 @@ def test_weight_only_kernel_in_the_interpreter_equals_its_eager_twin() -> None:
     run_in_interpreter(_WEIGHT_ONLY_IN_INTERPRETER, "weight-only ok")
 
 
+def test_rows_times_a_kernel_in_the_interpreter_is_the_fp32_product_cast_once() -> None:
+    """The adapter input pass (`rows_times_into`): fp8 rows (ragged M, K past one tile) times an fp8 A of 48 rows
+    (a stacked layer's width: not a power of two), scaled per A row, saturated into the spare columns of wider rows
+    and nowhere else; each value is the fp32 product cast to e4m3 once (the eager twin rounds to bf16 first: within
+    one e4m3 step of it)."""
+    run_in_interpreter(_ROWS_TIMES_IN_INTERPRETER, "rows times a ok")
+
+
+_ROWS_TIMES_IN_INTERPRETER = """
+import torch
+from kernels import _fp8_triton as T
+from kernels.fp8 import quantize_rows_eager, rows_times_eager, with_spare
+torch.manual_seed(0)
+for M, K, W in ((70, 200, 48), (5, 96, 16)):
+    q, _ = quantize_rows_eager(torch.randn(M, K))
+    a, a_scale = quantize_rows_eager(torch.randn(W, K))
+    a_scale = a_scale.reshape(-1) * 3.0
+    a_scale[0] = 1e3  # saturates: +-448, not inf or nan
+    rows = with_spare(M, K, W + 8, "cpu")
+    rows.copy_(q)
+    wide = rows.as_strided((M, K + W + 8), (rows.stride(0), 1))
+    wide[:, K:].view(torch.uint8).fill_(0x7F)  # nan in e4m3: any column the pass should not write stays so
+    T.rows_times_into(rows, a, a_scale, wide[:, K:K + W])
+    exact = (q.float() @ a.float().t()) * a_scale
+    want = exact.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    got = wide[:, K:K + W].float()
+    assert torch.equal(rows.float(), q.float())
+    assert torch.isnan(wide[:, K + W:].float()).all()
+    assert (got[:, 0].abs() == 448).all(), got[:, 0]
+    step = want.abs().clamp(min=2 ** -6) * 2 ** -3  # one e4m3 step (3 mantissa bits)
+    assert ((got - want).abs() <= step).all() and (got == want).float().mean() > 0.97, (got - want).abs().max()
+    twin = torch.empty(M, W, dtype=torch.float8_e4m3fn)
+    rows_times_eager(q, a, a_scale, twin)
+    assert ((twin.float() - got).abs() <= 2 * step).all()
+print("rows times a ok")
+"""
+
+
 _WEIGHT_ONLY_IN_INTERPRETER = """
 import torch
 from kernels import _fp8_triton as T
@@ -1196,3 +1234,27 @@ def test_rows_with_spare_columns_are_fp8_views_of_wider_rows_and_say_how_many() 
     fp8.copy_saturated(src, rows.wide(16)[:, 32:36])
     assert rows.wide(16)[:, 32:36].float().tolist() == [[448.0, -448.0, 3.0, -0.5]] * 5
     assert torch.equal(rows.q.float(), plain.float())  # the first K columns untouched
+
+
+@pytest.mark.gpu
+@_needs_fp8
+@pytest.mark.parametrize("M, K, W", [(4096, 3072, 16), (4608, 3072, 64), (512, 12288, 48), (9, 15360, 16)])
+def test_gpu_rows_times_a_pass_against_the_fp32_product(M: int, K: int, W: int) -> None:
+    """At FLUX.1's adapter shapes (q/v/out 3072, FF down 12288, proj_out 15360; a stacked width of 48 and 64):
+    the one pass writes the spare columns within one e4m3 step of the fp32 product (tensor-core sums in another
+    order), and agrees with its two-kernel twin to the same step."""
+    torch.manual_seed(0)
+    q, _ = fp8.quantize_rows(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
+    a, a_scale = fp8.quantize_rows(torch.randn(W, K, device="cuda", dtype=torch.bfloat16) * 0.02)
+    a_scale = a_scale.reshape(-1) * 0.05
+    rows = fp8.with_spare(M, K, W, q.device)
+    rows.copy_(q)
+    wide = rows.as_strided((M, K + W), (rows.stride(0), 1))
+    fp8.rows_times_into(rows, a, a_scale, wide[:, K:])
+    want = ((q.float() @ a.float().t()) * a_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    got = wide[:, K:].float()
+    step = want.abs().clamp(min=2 ** -6) * 2 ** -3
+    assert ((got - want).abs() <= step).all(), (got - want).abs().max()
+    twin = torch.empty(M, W, device="cuda", dtype=torch.float8_e4m3fn)
+    fp8.rows_times_eager(q, a, a_scale, twin)
+    assert ((twin.float() - got).abs() <= 2 * step).all()
