@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._lossless_triton import _TL_DTYPE, _round, _with_lora
+
 # Tile shapes swept by bench/kernel_ops.py. On an H200 (torch 2.11, triton 3.6) all ran within noise of each other
 # on the FLUX shapes (19.2-19.6 us at (1,4096,3072) bf16); Triton's autotuner wrapper cost ~30 us of host time
 # per call for nothing, so the kernel launches with one fixed tile (DEFAULT_CONFIG).
@@ -86,5 +88,53 @@ def launch(
     _residual_gate_add_kernel[grid](
         residual, update, gate3, out, B, S, D, gate3.stride(0), USE_INT64=use_int64, CLIP=float(clip or 0.0),
         enable_fp_fusion=False, **cfg
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The same pair with an adapter's term added to the update first, as PEFT adds it to its layer's output
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _residual_gate_lora_kernel(
+    r_ptr, u_ptr, g_ptr, t_ptr, b_ptr, o_ptr, M, S, D, g_bstride, scale,
+    R: tl.constexpr, TY: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, CLIP: tl.constexpr,
+):
+    # update = u + F.linear(t, B) * scale with PEFT's three roundings (the LoRA tail's own tile function), then
+    # residual + gate * update with eager's two: the adapter layer's output is never written. (Rows past S load the
+    # next image's rows, M = B * S bounds the loads; the store keeps this image's.)
+    rows = tl.program_id(0) * BS + tl.arange(0, BS)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    b = tl.program_id(2).to(tl.int64)
+    m = b * S + rows.to(tl.int64)  # rows of the flattened [B * S, D] update
+    update = _round(_with_lora(u_ptr, t_ptr, b_ptr, M, D, scale, m, cols, R, TY), TY)
+    mask = (rows[:, None] < S) & (cols[None, :] < D)
+    offs = m[:, None] * D + cols[None, :]
+    g = tl.load(g_ptr + b * g_bstride + cols, mask=cols < D, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    prod = _round(g[None, :] * update, TY)
+    out = _round(r + prod, TY)
+    if CLIP > 0:
+        out = tl.where(out > CLIP, CLIP, tl.where(out < -CLIP, -CLIP, out))
+    tl.store(o_ptr + offs, out.to(TY), mask=mask)
+
+
+LORA_CONFIG = {"BS": 64, "BD": 128, "num_warps": 4}
+
+
+def launch_lora(residual: torch.Tensor, update: torch.Tensor, gate3: torch.Tensor, t: torch.Tensor, b: torch.Tensor,
+                scale: float, clip: float | None = None) -> torch.Tensor:
+    """residual + gate3 * (update + F.linear(t, b) * scale), eager's roundings: residual/update contiguous
+    [B, S, D], gate3 [B, 1, D] (last stride 1), t contiguous [B, S, r], b [D, r] (r a multiple of 16)."""
+    B, S, D = residual.shape
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    cfg = LORA_CONFIG
+    grid = (triton.cdiv(S, cfg["BS"]), triton.cdiv(D, cfg["BD"]), B)
+    _residual_gate_lora_kernel[grid](
+        residual, update, gate3, t, b, out, B * S, S, D, gate3.stride(0), float(scale), R=t.shape[-1],
+        TY=_TL_DTYPE[residual.dtype], BS=cfg["BS"], BD=cfg["BD"], CLIP=float(clip or 0.0), enable_fp_fusion=False,
+        num_warps=cfg["num_warps"],
     )
     return out

@@ -247,7 +247,7 @@ def gelu_site(module: nn.Module, attr: str, x: torch.Tensor, out: torch.Tensor |
             return fused_linear_gelu_tanh(x, layer.weight, layer.bias)
     if out is None:
         return F.gelu(layer(x), approximate="tanh")
-    with lora.deferred() as terms:  # an adapter layer leaves its terms to this pass
+    with lora.deferred(layer) as terms:  # an adapter layer leaves its terms to this pass
         h = layer(x)
     return gelu_tanh_into(h, out, terms)
 

@@ -4,7 +4,7 @@ lossless tier's adapters. Bit-exact with eager where `GATE` has seen it match, e
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Iterator
 
@@ -68,28 +68,38 @@ def add_terms(y: torch.Tensor, terms: list[Term]) -> torch.Tensor:
     return y
 
 
-# Adapter terms a consumer adds itself, inside its own pass over the layer's output (kernels.gelu.gelu_tanh_into):
-# within `deferred()`, an adapter layer (model/peft_tail.py's hook) returns its base output and leaves its terms in
-# the list `deferred` yields instead of adding them.
-_DEFERRED: ContextVar[list[Term] | None] = ContextVar("lora_deferred", default=None)
+# Adapter terms a consumer adds itself, inside its own pass over the layer's output (kernels.gelu.gelu_tanh_into,
+# kernels.residual.residual_gate_add): within `deferred(layer)`, that adapter layer (model/peft_tail.py's hook)
+# returns its base output and leaves its terms in the list `deferred` yields instead of adding them. Keyed by the
+# layer, so a consumer's block may call other adapter layers (an attention's q, k, v before its output projection)
+# and nest (the GELU's inside the feed-forward's).
+_DEFERRED: ContextVar[dict[int, list]] = ContextVar("lora_deferred", default={})
+
+
+def deferred(layer: object) -> AbstractContextManager[list[Term]]:
+    """Collect the terms of `layer`'s first call inside (its base output is what that call returns). Under
+    torch.compile (which serves no PEFT adapters: the feature table) a no-op a trace can take whole."""
+    if torch.compiler.is_compiling():
+        return nullcontext([])
+    return _deferred(layer)
 
 
 @contextmanager
-def deferred() -> Iterator[list[Term]]:
-    """Collect the terms of the adapter layer called inside (its base output is what it returns)."""
+def _deferred(layer: object) -> Iterator[list[Term]]:
     terms: list[Term] = []
-    token = _DEFERRED.set(terms)
+    token = _DEFERRED.set({**_DEFERRED.get(), id(layer): [terms, False]})
     try:
         yield terms
     finally:
         _DEFERRED.reset(token)
 
 
-def defer(terms: list[Term]) -> bool:
-    """Hand `terms` to the consumer that asked for them (`deferred`), if one did; False: add them yourself."""
-    pending = _DEFERRED.get()
-    if pending is None:
+def defer(layer: object, terms: list[Term]) -> bool:
+    """Hand `layer`'s `terms` to the consumer that asked for them (`deferred`), if one did and this is the layer's
+    first call there; False: add them yourself (a second call of the layer in the same block adds its own)."""
+    pending = _DEFERRED.get().get(id(layer))
+    if pending is None or pending[1]:
         return False
-    _DEFERRED.set(None)  # (one layer's terms: a layer called later in the same block adds its own)
-    pending.extend(terms)
+    pending[0].extend(terms)
+    pending[1] = True
     return True

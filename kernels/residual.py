@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 import torch
 
-from . import switches
+from . import lora, switches
+from .exact import ExactGate, tensor_signature
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,29 @@ def _fast_path_args(
     return _gate_as_b1d(residual, gate)
 
 
+LORA_GATE = ExactGate("residual_gate_lora", "an adapter's term added to the update inside the residual-gate pass "
+                                            "(bit-exact gate)")
+
+
+def _with_term(residual: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, clip: float | None,
+               t: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """`residual + gate * (update + F.linear(t, b) * scale)` with PEFT's and eager's roundings: one Triton pass
+    where the gate has seen it match, else the term's own pass and the residual's."""
+    gate3 = _fast_path_args(residual, update, gate) if SWITCH.value and not _is_compiling() else None
+    sig = None
+    if gate3 is not None and t.dim() == update.dim():
+        tail = lora.signature(update, t, b)
+        sig = None if tail is None else (tail, tensor_signature(residual, gate3), clip)
+
+    def fast() -> torch.Tensor:
+        from . import _residual_triton
+
+        return _residual_triton.launch_lora(residual, update, gate3, t, b, scale, clip=clip)
+
+    return LORA_GATE.run(sig, fast, lambda: residual_gate_add(residual, lora.lora_tail(update, t, b, scale), gate,
+                                                              clip))
+
+
 def _launch(residual: torch.Tensor, update: torch.Tensor, gate3: torch.Tensor, clip: float | None) -> torch.Tensor:
     global _triton_calls
     from . import _residual_triton
@@ -100,15 +125,22 @@ def _is_compiling() -> bool:
 
 
 def residual_gate_add(
-    residual: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, clip: float | None = None
+    residual: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, clip: float | None = None,
+    terms: Sequence[lora.Term] = (),
 ) -> torch.Tensor:
     """`residual + gate * update`, bit for bit; a Triton kernel on CUDA fp16/bf16, the eager expression otherwise.
 
     gate: [D], [1, 1, D] or [B, 1, D] (any batch stride, e.g. a `.chunk()` of the AdaLN output).
     clip: if set, also `.clip(-clip, clip)` of the result (diffusers' fp16 overflow guard), in the same pass.
+    terms: adapter terms of the layer that made `update` (`kernels.lora.deferred`), added to it first as PEFT adds
+    them: one inside this pass (its own gate), more through `lora.add_terms` first.
     Under torch.compile a kernel failure raises; outside it, the first failure logs one warning and the
     process uses eager from then on (see `reset_fast_path`).
     """
+    if len(terms) == 1:
+        return _with_term(residual, update, gate, clip, *terms[0])
+    if terms:
+        update = lora.add_terms(update, list(terms))
     if not SWITCH.value:
         return _eager(residual, update, gate, clip)
     gate3 = _fast_path_args(residual, update, gate)

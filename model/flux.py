@@ -32,7 +32,7 @@ from diffusers.models.normalization import AdaLayerNormContinuous
 from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 from diffusers.utils import apply_lora_scale, logging
 
-from kernels import gelu_site, mark_fused_gelu_site, residual_gate_add, switches
+from kernels import gelu_site, lora, mark_fused_gelu_site, residual_gate_add, switches
 from kernels.attention import attention, attention8, mark_attention8_site, rope_attention_fp8
 from kernels.gelu import unmark_fused_gelu_site
 from kernels.modulate import fast_norm, layer_norm_modulate, mark_norm_site, norm_fp8
@@ -323,29 +323,37 @@ class FluxTransformerBlock(nn.Module):
         norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
             encoder_hidden_states, emb=temb, consumers=self.attn.projections(text=True)
         )
-        attn_output, context_attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            encoder_hidden_states=norm_encoder_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-        )
+        # The output projections' adapter terms (if any) go to the residual-gate passes (kernels.lora.deferred).
+        with lora.deferred(self.attn.to_out[0]) as out_terms, \
+                lora.deferred(getattr(self.attn, "to_add_out", None)) as add_out_terms:
+            attn_output, context_attn_output = self.attn(
+                hidden_states=norm_hidden_states,
+                encoder_hidden_states=norm_encoder_hidden_states,
+                image_rotary_emb=image_rotary_emb,
+            )
 
         # Image stream. diffusers: `h = h + gate.unsqueeze(1) * update` at each site.
-        hidden_states = residual_gate_add(hidden_states, attn_output, gate_msa.unsqueeze(1))
+        hidden_states = residual_gate_add(hidden_states, attn_output, gate_msa.unsqueeze(1), terms=out_terms)
         fast, fp8 = fast_norm(self), norm_fp8(self)
         norm_hidden_states = layer_norm_modulate(hidden_states, scale_mlp, shift_mlp, self.norm2.eps, fast=fast,
                                                  fp8=fp8, spare=spare_columns(self.ff.net[0].proj) if fp8 else 0)
-        hidden_states = residual_gate_add(hidden_states, self.ff(norm_hidden_states), gate_mlp.unsqueeze(1))
+        with lora.deferred(self.ff.net[2]) as ff_terms:
+            ff_output = self.ff(norm_hidden_states)
+        hidden_states = residual_gate_add(hidden_states, ff_output, gate_mlp.unsqueeze(1), terms=ff_terms)
 
         # Text stream.
-        encoder_hidden_states = residual_gate_add(encoder_hidden_states, context_attn_output, c_gate_msa.unsqueeze(1))
+        encoder_hidden_states = residual_gate_add(encoder_hidden_states, context_attn_output, c_gate_msa.unsqueeze(1),
+                                                  terms=add_out_terms)
         norm_encoder_hidden_states = layer_norm_modulate(
             encoder_hidden_states, c_scale_mlp, c_shift_mlp, self.norm2_context.eps, fast=fast, fp8=fp8,
             spare=spare_columns(self.ff_context.net[0].proj) if fp8 else 0,
         )
+        with lora.deferred(self.ff_context.net[2]) as ff_context_terms:
+            context_ff_output = self.ff_context(norm_encoder_hidden_states)
         # diffusers clips only the text stream here (fp16 overflow guard); folded into the residual kernel.
         encoder_hidden_states = residual_gate_add(
-            encoder_hidden_states, self.ff_context(norm_encoder_hidden_states), c_gate_mlp.unsqueeze(1),
-            clip=_fp16_clip(encoder_hidden_states),
+            encoder_hidden_states, context_ff_output, c_gate_mlp.unsqueeze(1),
+            clip=_fp16_clip(encoder_hidden_states), terms=ff_context_terms,
         )
         return encoder_hidden_states, hidden_states
 
@@ -390,14 +398,9 @@ class FluxSingleTransformerBlock(nn.Module):
             return (self.to_qkv_mlp,)
         return (*self.attn.projections(text=False), self.proj_mlp)
 
-    def forward_joint(
-        self,
-        joint: torch.Tensor,
-        temb: torch.Tensor,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """The block on the joint [text; image] sequence (what diffusers computes between its cat and split)."""
-        norm_hidden_states, gate = self.norm(joint, emb=temb, consumers=self.norm_consumers())
+    def _update(self, norm_hidden_states: torch.Tensor,
+                image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """proj_out(cat([attention, gelu(proj_mlp(x))])) of the normed joint sequence, in the layers' form."""
         if self.mlp_gelu_in_proj_out:
             attn = self.attn
             if self.to_qkv_mlp is not None:
@@ -409,8 +412,8 @@ class FluxSingleTransformerBlock(nn.Module):
             else:
                 mlp = self.proj_mlp(norm_hidden_states)
                 attn_output = attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
-            update = linear_cat_gelu(self.proj_out, attn_output, mlp)
-        elif (IN_PLACE.value and type(getattr(self.proj_mlp, "base_layer", self.proj_mlp)) is nn.Linear
+            return linear_cat_gelu(self.proj_out, attn_output, mlp)
+        if (IN_PLACE.value and type(getattr(self.proj_mlp, "base_layer", self.proj_mlp)) is nn.Linear
                 and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
             # diffusers: proj_out(cat([attn, gelu(proj_mlp(x))], dim=2)). Both halves are written straight into
             # their columns of the proj_out input (the values cat would copy there), saving a full-width copy.
@@ -423,12 +426,22 @@ class FluxSingleTransformerBlock(nn.Module):
             gelu_site(self, "proj_mlp", norm_hidden_states, out=joint_in[..., attn_width:])
             self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
                       out=joint_in[..., :attn_width])
-            update = self.proj_out(joint_in)
-        else:
-            mlp_hidden_states = gelu_site(self, "proj_mlp", norm_hidden_states)
-            attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
-            update = self.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
-        return residual_gate_add(joint, update, gate.unsqueeze(1), clip=_fp16_clip(joint))
+            return self.proj_out(joint_in)
+        mlp_hidden_states = gelu_site(self, "proj_mlp", norm_hidden_states)
+        attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
+        return self.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
+
+    def forward_joint(
+        self,
+        joint: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The block on the joint [text; image] sequence (what diffusers computes between its cat and split)."""
+        norm_hidden_states, gate = self.norm(joint, emb=temb, consumers=self.norm_consumers())
+        with lora.deferred(self.proj_out) as out_terms:  # proj_out's adapter terms: to the residual-gate pass
+            update = self._update(norm_hidden_states, image_rotary_emb)
+        return residual_gate_add(joint, update, gate.unsqueeze(1), clip=_fp16_clip(joint), terms=out_terms)
 
     def forward(
         self,

@@ -61,7 +61,7 @@ class LoraTailHook(ModelHook):
             return self.fn_ref.original_forward(x, *args, **kwargs)
         result = module.base_layer(x)
         terms = [(module.lora_A[n](x), b, module.scaling[n]) for n, b in adapters]
-        if defer(terms):  # the consumer adds them in its own pass (kernels.lora.deferred)
+        if defer(module, terms):  # the consumer adds them in its own pass (kernels.lora.deferred)
             return result
         # (PEFT ends with a cast back to the base output's dtype: x, A, B and the base share one dtype here)
         return add_terms(result, terms)

@@ -191,7 +191,7 @@ def test_the_builder_warms_up_the_pools_compile_plan(monkeypatch) -> None:
 
     monkeypatch.setattr(loading, "load_pipeline", lambda *a, **k: Pipe())
     form = AppArgs.parse({"max_batch_size": 2, "pools": {"high": {"compile": True}}}).form("high")
-    assert build_pipeline(form).defaults == {"fast_norm": True, "attention8": False, "step_cache": None}
+    assert build_pipeline(form).defaults == {"fast_norm": True, "attention8": False, "fast_vae": True, "step_cache": None}
     assert calls == [([(256, 256)], WARMUP_STEPS, [1, 2])]
 
 

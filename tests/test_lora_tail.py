@@ -68,6 +68,57 @@ def test_the_lora_tail_kernel_keeps_peft_roundings_in_the_interpreter() -> None:
     run_in_interpreter(_KERNEL_PROBE, "OK 11")
 
 
+_RESIDUAL_PROBE = r"""
+import torch
+from kernels import residual as Res
+from kernels import lora as L
+from kernels import _residual_triton as K
+torch.manual_seed(0)
+n = 0
+# residual + gate * (update + F.linear(t, B) * s): PEFT's three roundings, then eager's two; fp16 (values large
+# enough that every rounding shows) and fp32; a shared gate (batch stride 0) and a per-image one; clip or none;
+# S and D ragged against the tile.
+for dtype in (torch.float16, torch.float32):
+    for (B, S, D, r) in ((2, 70, 200, 32), (1, 5, 130, 16), (3, 64, 128, 16)):
+        t = torch.randint(-16, 17, (B, S, r)).to(dtype)
+        b = torch.randint(-16, 17, (D, r)).to(dtype)
+        update = (torch.randn(B, S, D) * 1000).to(dtype)
+        residual = (torch.randn(B, S, D) * 3000).to(dtype)
+        for gate in (torch.randn(1, 1, D).to(dtype).expand(B, 1, D), torch.randn(B, 6 * D).to(dtype)[:, None, :D]):
+            for clip in (None, 4000.0):
+                got = K.launch_lora(residual, update, gate, t, b, 0.3, clip=clip)
+                want = Res._eager(residual, L.lora_tail_eager(update, t, b, 0.3), gate, clip)
+                assert torch.equal(got, want), (dtype, B, S, D, r, clip, (got.double() - want.double()).abs().max())
+                n += 1
+# through the op, the device check passed: one comparison against eager, then the kernel; two terms: PEFT's order
+Res._device_supported = lambda device: True
+L._device_supported = lambda device: True
+t = torch.randint(-16, 17, (2, 7, 16)).half()
+b = torch.randint(-16, 17, (48, 16)).half()
+update, residual = (torch.randn(2, 7, 48) * 1000).half(), (torch.randn(2, 7, 48) * 1000).half()
+gate = torch.randn(2, 1, 48).half()
+for _ in range(2):
+    got = Res.residual_gate_add(residual, update, gate, terms=[(t, b, 0.3)])
+    assert torch.equal(got, Res._eager(residual, L.lora_tail_eager(update, t, b, 0.3), gate))
+assert Res.LORA_GATE.fast_calls == 1 and list(Res.LORA_GATE.verdicts().values()) == [True], Res.LORA_GATE.verdicts()
+two = [(t, b, 0.3), (t / 4, b, -0.7)]
+got = Res.residual_gate_add(residual, update, gate, terms=two)
+want = Res._eager(residual, L.lora_tail_eager(L.lora_tail_eager(update, *two[0]), *two[1]), gate)
+assert torch.equal(got, want)
+n += 1
+print("OK", n)
+"""
+
+
+def test_the_residual_pass_with_a_term_keeps_peft_and_eager_roundings_in_the_interpreter() -> None:
+    """The residual-gate pass that adds an adapter's term to its update first (the output projections' terms, handed
+    over by `kernels.lora.deferred`) equals PEFT's output followed by eager's `residual + gate * update`, bit for
+    bit, in the interpreter: fp16 / fp32, ragged tiles, shared and per-image gates, with and without the clip; the op
+    verifies once then runs the kernel, and adds two terms in PEFT's order. Catches a rounding step left out, the
+    next image's rows written, the gate's batch stride ignored, terms reordered."""
+    run_in_interpreter(_RESIDUAL_PROBE, "OK 25")
+
+
 def _peft_layer(dtype: torch.dtype = torch.bfloat16, **config) -> nn.Module:
     """A PEFT LoRA linear [24 -> 40] holding adapters "a" (rank 16) and "b" (rank 32), both active, B random (PEFT
     starts it at zero, which would hide every ordering mistake)."""
@@ -128,25 +179,29 @@ def test_the_hook_adds_each_active_adapter_as_peft_does(tail_calls) -> None:
 
 
 def test_a_consumer_that_asks_gets_the_base_output_and_the_terms_to_add() -> None:
-    """Inside `kernels.lora.deferred()` a hooked layer returns its base output and leaves (t, B, scale) per active
-    adapter, in PEFT's order, which `add_terms` turns into PEFT's output; a second layer call in the same block adds
-    its own terms; a state the hook does not cover leaves nothing and returns PEFT's whole output. Catches terms
-    added twice (by the layer and by the consumer), lost, reordered, or kept for a later layer."""
+    """Inside `kernels.lora.deferred(layer)` that hooked layer returns its base output and leaves (t, B, scale) per
+    active adapter, in PEFT's order, which `add_terms` turns into PEFT's output; another adapter layer called inside
+    (an attention's q before its output projection) adds its own; so does a second call of the layer; a state the
+    hook does not cover leaves nothing and returns PEFT's whole output. Catches terms added twice (by the layer and
+    by the consumer), lost, reordered, taken from the wrong layer, or kept for a later call."""
     from kernels import lora
     from model.peft_tail import install
 
-    layer = _peft_layer()
+    layer, other = _peft_layer(), _peft_layer()
     install(layer)
+    install(other)
     x = torch.randn(3, 24).bfloat16()
-    with lora.deferred() as terms:
+    with lora.deferred(layer) as terms:
+        first = other(x)
         y = layer(x)
         after = layer(x)
+    assert torch.equal(first, _peft(other, x))
     assert torch.equal(y, layer.base_layer(x)) and torch.equal(after, _peft(layer, x))
     assert [(t.shape[-1], b is layer.lora_B[n].weight, s) for (t, b, s), n in zip(terms, "ab")] == [
         (16, True, layer.scaling["a"]), (32, True, layer.scaling["b"])]
     assert torch.equal(lora.add_terms(y, terms), _peft(layer, x))
     layer.merge(adapter_names=["a"])
-    with lora.deferred() as terms:
+    with lora.deferred(layer) as terms:
         got = layer(x)
     assert terms == [] and torch.equal(got, _peft(layer, x))
 
@@ -166,7 +221,7 @@ def test_the_gelu_pass_adds_every_term_it_is_handed_in_order(tail_calls) -> None
         layer.set_adapter(adapters)
         buf = torch.zeros(2, 3, 48, dtype=torch.bfloat16)
         with torch.no_grad():  # (served: inference; out= writes take no autograd)
-            with lora.deferred() as terms:
+            with lora.deferred(layer) as terms:
                 h = layer(x)
             assert len(terms) == len(adapters)
             gelu_tanh_into(h, buf[..., 8:], terms)
@@ -224,8 +279,9 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
     """Adapters loaded at start and while serving (PEFT) end hooked, and a lossless batch with them runs its terms
     through the tail (rank 16: the kernel's) and equals stock diffusers with PEFT bit for bit (here the CPU, so the
     tail's eager twin; the GPU test below runs the kernel); a single block whose MLP up-projection has an adapter
-    still writes its GELU straight into proj_out's input (no cat), the adapter's term left to that pass. Catches a
-    load path that leaves its layers unhooked, an adapted proj_mlp sent back to the cat, its term added before.""" 
+    still writes its GELU straight into proj_out's input (no cat), the adapter's term left to that pass; the output
+    projections' terms (attention out, FF down, proj_out) go to the residual-gate pass after them. Catches a load
+    path that leaves its layers unhooked, an adapted proj_mlp sent back to the cat, a term added twice or never.""" 
     from diffusers.hooks import HookRegistry
 
     import kernels.gelu
@@ -246,6 +302,13 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
 
     monkeypatch.setattr(flux, "gelu_site", site)
     monkeypatch.setattr(kernels.gelu, "gelu_tanh_into", gelu_into)
+    real_residual, to_residual = flux.residual_gate_add, []
+
+    def residual(*args, terms=(), **kw):
+        to_residual.append(len(terms))
+        return real_residual(*args, terms=terms, **kw)
+
+    monkeypatch.setattr(flux, "residual_gate_add", residual)
 
     from model.loading import diffusers_reference, load_pipeline
     from model.pipeline import GenerationRequest, run_flux_pipeline
@@ -259,7 +322,8 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
     ours = load_pipeline(str(tiny_path), device="cpu", dtype=torch.float32)
     # on layers apart, so that the adapter loaded while serving brings PEFT layers of its own
     files = {n: str(write_random_lora(ours.transformer, tmp_path / f"{n}.safetensors", s, rank=16, targets=targets))
-             for n, s, targets in (("ink", 1, ("attn.to_q", "proj_mlp")), ("sun", 2, ("attn.to_v", "ff.net.2")))}
+             for n, s, targets in (("ink", 1, ("attn.to_q", "proj_mlp")),
+                                   ("sun", 2, ("attn.to_v", "ff.net.2", "attn.to_out.0", "proj_out")))}
     ref = diffusers_reference(ours)
     ours.load_loras({"ink": files["ink"]})
     assert hooked() and all(hooked())
@@ -278,6 +342,10 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
     assert len(tail_calls) >= 2 * len(adapted) and {r for r, _ in tail_calls} == {16}
     # each proj_mlp site hands ink's term to the GELU pass (which, on the CPU, adds it and calls itself again)
     assert into and all(into) and handed.count(1) == len(into)
+    # one term per adapted output projection per forward (two steps), none elsewhere
+    outputs = [n for n, m in ours.transformer.named_modules() if isinstance(m, peft.tuners.lora.Linear)
+               and n.endswith(("attn.to_out.0", "ff.net.2", "proj_out"))]
+    assert outputs and to_residual.count(1) == 2 * len(outputs) and set(to_residual) == {0, 1}
 
 
 @pytest.mark.gpu
@@ -297,6 +365,30 @@ def test_gpu_the_lora_tail_kernel_sums_as_cublas_does(rank: int) -> None:
         for _ in range(2):
             assert torch.equal(L.lora_tail(y, t, b, 0.75), L.lora_tail_eager(y, t, b, 0.75)), (rows, cols)
     assert all(L.GATE.verdicts().values()) and L.GATE.fast_calls == 4, L.GATE.verdicts()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rank", [16, 64])
+def test_gpu_the_residual_pass_with_a_term_equals_peft_then_the_residual(rank: int) -> None:
+    """On CUDA in bf16, at FLUX.1's output projections (image stream 4096 x 3072, text 512 x 3072, the joint
+    4608 x 3072; a per-image gate of the AdaLN's chunks; the text stream's clip): the residual-gate pass with the
+    term inside equals PEFT's output followed by eager's residual, so its gate lets it run."""
+    from kernels import lora as L
+    from kernels import residual as R
+
+    R.LORA_GATE.reset()
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    for batch, rows, clip in ((1, 4096, None), (2, 512, 65504.0), (1, 4608, None)):
+        t = torch.randn(batch, rows, rank, device="cuda", generator=g).bfloat16()
+        b = (torch.randn(3072, rank, device="cuda", generator=g) * 0.05).bfloat16()
+        update = torch.randn(batch, rows, 3072, device="cuda", generator=g).bfloat16()
+        residual = (torch.randn(batch, rows, 3072, device="cuda", generator=g) * 8).bfloat16()
+        gate = torch.randn(batch, 6 * 3072, device="cuda", generator=g).bfloat16()[:, None, 3072:6144]
+        want = R._eager(residual, L.lora_tail_eager(update, t, b, 0.75), gate, clip)
+        for _ in range(2):
+            got = R.residual_gate_add(residual, update, gate, clip, terms=[(t, b, 0.75)])
+            assert torch.equal(got, want), (batch, rows)
+    assert all(R.LORA_GATE.verdicts().values()) and R.LORA_GATE.fast_calls == 3, R.LORA_GATE.verdicts()
 
 
 @pytest.mark.gpu
@@ -323,8 +415,10 @@ def test_gpu_the_gelu_pass_with_an_adapters_term_inside_equals_the_two_passes() 
 def test_gpu_lossless_adapters_through_the_tail_are_byte_identical_to_stock_diffusers(tiny_path: Path,
                                                                                         tmp_path: Path) -> None:
     """On CUDA in bf16 a lossless batch with two rank-16 adapters runs their terms through the fused kernel (the
-    gate's fast calls grow) and equals stock diffusers with PEFT: latents and PNG bytes."""
+    gate's fast calls grow) and equals stock diffusers with PEFT: latents and PNG bytes; with one adapter the output
+    projections' terms go inside the residual-gate pass (its gate's fast calls grow), equal too."""
     from kernels import lora as L
+    from kernels import residual as R
     from model.loading import diffusers_reference, load_pipeline
     from model.pipeline import GenerationRequest, run_flux_pipeline
     from tests._inputs import write_random_lora
@@ -345,3 +439,12 @@ def test_gpu_lossless_adapters_through_the_tail_are_byte_identical_to_stock_diff
     lat, png = run_flux_pipeline(ref, [req])
     assert torch.equal(got.latents, lat[0]) and got.png == png[0]
     assert L.GATE.fast_calls > before and all(L.GATE.verdicts().values()), L.GATE.verdicts()
+    one = GenerationRequest("a red fox", height=256, width=256, steps=3, seed=6, loras=(("ink", 0.8),))
+    R.LORA_GATE.reset()
+    ours.generate([one])
+    before = R.LORA_GATE.fast_calls
+    got = ours.generate([one])[0]
+    ref.set_adapters(["ink"], [0.8])
+    lat, png = run_flux_pipeline(ref, [one])
+    assert torch.equal(got.latents, lat[0]) and got.png == png[0]
+    assert R.LORA_GATE.fast_calls > before and all(R.LORA_GATE.verdicts().values()), R.LORA_GATE.verdicts()
