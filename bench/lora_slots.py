@@ -78,7 +78,9 @@ def kernel_delta(base: dict[str, float], lora: dict[str, float], top: int = 15) 
     names = set(base) | set(lora)
     delta = sorted(((lora.get(n, 0.0) - base.get(n, 0.0), n) for n in names), reverse=True)
     return {"base_ms": round(sum(base.values()), 2), "lora_ms": round(sum(lora.values()), 2),
-            "grew": [{"kernel": n, "ms": round(d, 3), "base_ms": round(base.get(n, 0.0), 3)} for d, n in delta[:top]]}
+            "grew": [{"kernel": n, "ms": round(d, 3), "base_ms": round(base.get(n, 0.0), 3)} for d, n in delta[:top]],
+            "shrank": [{"kernel": n, "ms": round(d, 3), "base_ms": round(base.get(n, 0.0), 3)}
+                       for d, n in delta[::-1][:top] if d < 0]}
 
 
 def main(argv: list[str] | None = None) -> int:

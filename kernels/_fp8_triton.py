@@ -297,7 +297,7 @@ def _rows_a_kernel(q_ptr, a_ptr, s_ptr, out_ptr, M, K, W, q_sr, out_sr,
 
 _ROWS_A_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_K": k}, num_warps=w, num_stages=st)
                    for m, k, w, st in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 256, 8, 3),
-                                       (32, 256, 4, 4))]
+                                       (32, 256, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 512, 4, 3))]
 _rows_a_tuned = autotune(_ROWS_A_CONFIGS, key=["M", "K", "W"])(_rows_a_kernel)
 
 

@@ -1241,8 +1241,9 @@ def test_rows_with_spare_columns_are_fp8_views_of_wider_rows_and_say_how_many() 
 @pytest.mark.parametrize("M, K, W", [(4096, 3072, 16), (4608, 3072, 64), (512, 12288, 48), (9, 15360, 16)])
 def test_gpu_rows_times_a_pass_against_the_fp32_product(M: int, K: int, W: int) -> None:
     """At FLUX.1's adapter shapes (q/v/out 3072, FF down 12288, proj_out 15360; a stacked width of 48 and 64):
-    the one pass writes the spare columns within one e4m3 step of the fp32 product (tensor-core sums in another
-    order), and agrees with its two-kernel twin to the same step."""
+    the one pass writes the spare columns within one e4m3 step of the fp32 product, give or take what Hopper's fp8
+    tensor cores lose accumulating (a small fraction of the sum of |products|, as cuBLAS's fast accumulation), and
+    agrees with its two-kernel twin to the same bound."""
     torch.manual_seed(0)
     q, _ = fp8.quantize_rows(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
     a, a_scale = fp8.quantize_rows(torch.randn(W, K, device="cuda", dtype=torch.bfloat16) * 0.02)
@@ -1253,8 +1254,9 @@ def test_gpu_rows_times_a_pass_against_the_fp32_product(M: int, K: int, W: int) 
     fp8.rows_times_into(rows, a, a_scale, wide[:, K:])
     want = ((q.float() @ a.float().t()) * a_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     got = wide[:, K:].float()
-    step = want.abs().clamp(min=2 ** -6) * 2 ** -3
-    assert ((got - want).abs() <= step).all(), (got - want).abs().max()
+    accumulated = (q.float().abs() @ a.float().abs().t()) * a_scale.abs()
+    step = want.abs().clamp(min=2 ** -6) * 2 ** -3 + accumulated * 2 ** -9
+    assert ((got - want).abs() <= step).all(), ((got - want).abs() / step).max()
     twin = torch.empty(M, W, device="cuda", dtype=torch.float8_e4m3fn)
     fp8.rows_times_eager(q, a, a_scale, twin)
-    assert ((twin.float() - got).abs() <= 2 * step).all()
+    assert ((twin.float() - got).abs() <= 2 * step).all(), ((twin.float() - got).abs() / step).max()
