@@ -206,27 +206,32 @@ def _group_stats_kernel(x_ptr, part_ptr, L, CHUNK, S,
 
 
 @triton.jit
+def _group_partials(part_ptr, b, S, s0, G: tl.constexpr, BLOCK_S: tl.constexpr):
+    # chunks [s0, s0 + BLOCK_S) of image b: their (count, mean, M2) per group, [BLOCK_S, G] each (zeros past S)
+    groups = tl.arange(0, G)
+    s = s0 + tl.arange(0, BLOCK_S)
+    ok = (s < S)[:, None] & (groups[None, :] < G)
+    base = part_ptr + ((b * S + s)[:, None] * 3) * G + groups[None, :]
+    return (tl.load(base, mask=ok, other=0.0), tl.load(base + G, mask=ok, other=0.0),
+            tl.load(base + 2 * G, mask=ok, other=0.0))
+
+
+@triton.jit
 def _group_finish_kernel(part_ptr, mean_ptr, rstd_ptr, S, eps, G: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     groups = tl.arange(0, G)
     n_tot = tl.zeros((G,), tl.float32)
     s_tot = tl.zeros((G,), tl.float32)
     for s0 in range(0, S, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        ok = (s < S)[:, None] & (groups[None, :] < G)
-        base = part_ptr + ((b * S + s)[:, None] * 3) * G + groups[None, :]
-        n = tl.load(base, mask=ok, other=0.0)
+        n, m, _ = _group_partials(part_ptr, b, S, s0, G, BLOCK_S)
         n_tot += tl.sum(n, axis=0)
-        s_tot += tl.sum(n * tl.load(base + G, mask=ok, other=0.0), axis=0)
+        s_tot += tl.sum(n * m, axis=0)
     mean = s_tot / n_tot
     m2 = tl.zeros((G,), tl.float32)
     for s0 in range(0, S, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        ok = (s < S)[:, None] & (groups[None, :] < G)
-        base = part_ptr + ((b * S + s)[:, None] * 3) * G + groups[None, :]
-        n = tl.load(base, mask=ok, other=0.0)
-        d = tl.load(base + G, mask=ok, other=0.0) - mean[None, :]
-        m2 += tl.sum(tl.load(base + 2 * G, mask=ok, other=0.0) + n * d * d, axis=0)
+        n, m, chunk_m2 = _group_partials(part_ptr, b, S, s0, G, BLOCK_S)
+        d = m - mean[None, :]
+        m2 += tl.sum(chunk_m2 + n * d * d, axis=0)
     tl.store(mean_ptr + b * G + groups, mean)
     tl.store(rstd_ptr + b * G + groups, tl.math.rsqrt(m2 / n_tot + eps))
 
