@@ -48,7 +48,7 @@ MODULES: dict[str, list[str]] = {
     "model/execution.py": ["tests/test_fp8.py", "tests/test_graphs.py", "tests/test_tiers.py"],
     "model/pipeline.py": ["tests/test_edits.py", "tests/test_lora.py", "tests/test_preview.py", "tests/test_pipeline.py"],
     "kernels/fp8.py": ["tests/test_fp8.py", "tests/test_kernel_calls.py"],
-    "kernels/residual.py": ["tests/test_kernels.py", "tests/test_kernels_gpu.py"],
+    "kernels/residual.py": ["tests/test_kernels.py", "tests/test_kernels_gpu.py", "tests/test_lora_tail.py"],
     # The kernels' CUDA branches run only on a GPU host (FLUXSERVE_MUTATE_GPU=1, the GPU tests included).
     "kernels/modulate.py": ["tests/test_guards.py", "tests/test_kernel_calls.py", "tests/test_kernels.py",
                             "tests/test_flux_lossless.py",
@@ -65,6 +65,8 @@ MODULES: dict[str, list[str]] = {
                         "tests/test_adapter_slots.py"],  # (the layer's adapter side path and its parts)
     "model/features.py": ["tests/test_features.py", "tests/test_tiers.py"],
     "model/peft_tail.py": ["tests/test_lora_tail.py"],
+    "model/vae.py": ["tests/test_vae.py"],
+    "kernels/groupnorm.py": ["tests/test_vae.py"],
     "kernels/lora.py": ["tests/test_lora_tail.py", "tests/test_kernel_calls.py"],
     "kernels/sites.py": ["tests/test_sites.py", "tests/test_tiers.py"],
 }
