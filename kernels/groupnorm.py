@@ -21,6 +21,10 @@ def group_norm_eager(x: torch.Tensor, groups: int, weight: torch.Tensor | None, 
     return F.silu(y) if silu else y
 
 
+def _device_supported(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
 def _channels_last(x: torch.Tensor) -> torch.Tensor | None:
     """x [B, C, *spatial] seen as [B, L, C] without a copy, where its channels are innermost (a channels-last
     tensor, or diffusers' attention's transposed [B, C, L]); None otherwise."""
@@ -32,10 +36,10 @@ def _channels_last(x: torch.Tensor) -> torch.Tensor | None:
 
 def kernel_takes(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
     """Whether the Triton pass runs for these operands: CUDA fp16/bf16, channels innermost, C a power of two and a
-    multiple of `groups`, affine, no autograd."""
+    multiple of `groups` (so the groups are a power of two too), affine, no autograd."""
     c = x.shape[1] if x.dim() >= 3 else 0
-    return (SWITCH.value and x.device.type == "cuda" and x.dtype in _HALF and c > 0 and c & (c - 1) == 0
-            and c % groups == 0 and groups & (groups - 1) == 0 and weight is not None and bias is not None
+    return (SWITCH.value and _device_supported(x.device) and x.dtype in _HALF and c > 0 and c & (c - 1) == 0
+            and c % groups == 0 and weight is not None and bias is not None
             and x.numel() > 0 and not (torch.is_grad_enabled() and x.requires_grad)
             and _channels_last(x) is not None)
 

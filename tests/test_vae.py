@@ -64,6 +64,43 @@ def test_group_norm_falls_back_to_eager_where_the_kernel_does_not_run() -> None:
         assert not groupnorm.kernel_takes(cuda.contiguous(memory_format=torch.channels_last), 8, None, None)
 
 
+def test_the_kernel_takes_channels_innermost_half_tensors_only(monkeypatch) -> None:
+    """What `kernel_takes` admits, with the device check passed on the CPU: a channels-last bf16/fp16 tensor with C a
+    power of two and a multiple of the groups, affine, no autograd; each other case goes to eager. And the [B, L, C]
+    view it hands the kernel is the tensor's own memory, pixels in order."""
+    monkeypatch.setattr(groupnorm, "_device_supported", lambda device: True)
+    w, b = torch.randn(32).bfloat16(), torch.randn(32).bfloat16()
+    x = torch.randn(2, 32, 3, 5).bfloat16().contiguous(memory_format=torch.channels_last)
+    assert groupnorm.kernel_takes(x, 8, w, b)
+    assert groupnorm.kernel_takes(x.half(), 8, w.half(), b.half())
+    assert groupnorm.kernel_takes(torch.randn(2, 15, 32).bfloat16().transpose(1, 2), 8, w, b)  # attention's view
+    refused = {
+        "fp32": (x.float(), 8), "NCHW": (x.contiguous(), 8), "C not a power of two": (
+            torch.randn(2, 24, 3, 5).bfloat16().contiguous(memory_format=torch.channels_last), 8),
+        "C not a multiple of the groups": (x, 64),
+        "empty": (x[:0], 8), "2-D": (torch.randn(4, 32).bfloat16(), 8),
+    }
+    for why, (t, g) in refused.items():
+        assert not groupnorm.kernel_takes(t, g, w, b), why
+    assert not groupnorm.kernel_takes(x, 8, None, None)
+    assert not groupnorm.kernel_takes(x.requires_grad_(), 8, w, b)
+    with torch.no_grad():
+        assert groupnorm.kernel_takes(x, 8, w, b)  # (no autograd: its grad flag does not matter)
+    x = x.detach()
+    with kernels_switch_off():
+        assert not groupnorm.kernel_takes(x, 8, w, b)
+    rows = groupnorm._channels_last(x)
+    assert rows.shape == (2, 15, 32) and rows.data_ptr() == x.data_ptr()
+    assert torch.equal(rows, x.flatten(2).transpose(1, 2))
+    assert groupnorm._channels_last(x.contiguous()) is None
+
+
+def kernels_switch_off():
+    from kernels import switches
+
+    return switches.override(group_norm_silu=False)
+
+
 def _tiny_vae() -> torch.nn.Module:
     from diffusers import AutoencoderKL
 
@@ -81,7 +118,7 @@ class _Pipe:
 
 def test_fast_decoder_copy_folds_each_silu_into_its_norm_and_decodes_alike() -> None:
     """The copy: every decoder GroupNorm is a GroupNormAct, SiLU taken in exactly where one followed, no SiLU left
-    as a module, channels-last weights; the stock decoder is untouched; outputs agree to fp32 rounding."""
+    as a module, channels-last weights, frozen; the stock decoder is untouched; outputs agree to fp32 rounding."""
     from torch import nn
 
     from model.vae import fast_decoder
@@ -95,6 +132,7 @@ def test_fast_decoder_copy_folds_each_silu_into_its_norm_and_decodes_alike() -> 
     assert not any(isinstance(m, (nn.SiLU, nn.GroupNorm)) for m in fast.modules())
     assert sum(not a.silu for a in acts) == sum(1 for m in fast.modules() if type(m).__name__ == "Attention")
     assert fast.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not fast.training and not any(p.requires_grad for p in fast.parameters())  # inference only
     assert any(isinstance(m, nn.GroupNorm) for m in vae.decoder.modules())  # stock decoder kept as it was
     assert all(torch.equal(v, vae.decoder.state_dict()[k]) for k, v in before.items())
     z = torch.randn(2, 16, 12, 10)
