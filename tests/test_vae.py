@@ -105,10 +105,16 @@ def _tiny_vae() -> torch.nn.Module:
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 3,
-                         up_block_types=["UpDecoderBlock2D"] * 3, block_out_channels=[32, 32, 64],
-                         layers_per_block=1, latent_channels=16, norm_num_groups=8, use_quant_conv=False,
-                         use_post_quant_conv=False).eval()
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 3,
+                        up_block_types=["UpDecoderBlock2D"] * 3, block_out_channels=[32, 32, 64],
+                        layers_per_block=1, latent_channels=16, norm_num_groups=8, use_quant_conv=False,
+                        use_post_quant_conv=False).eval()
+    with torch.no_grad():  # norms away from their initial (1, 0): a lost weight or bias shows
+        for m in vae.modules():
+            if isinstance(m, torch.nn.GroupNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0.0, 0.3)
+    return vae
 
 
 class _Pipe:
