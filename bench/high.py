@@ -28,9 +28,11 @@ import sys
 import time
 import traceback
 from collections import defaultdict
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 from typing import Any, Callable
 
 import torch
@@ -297,26 +299,16 @@ def time_outside_transformer(pipe: FluxServePipeline, fn: Callable[[], Any]) -> 
                ("text_encoders", inner.text_encoder_2)]
     hooks = [h for name, m in modules if m is not None
              for h in (m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name)))]
-    vae_decode, png, own = inner.vae.decode, pipeline_module.result_png, vars(inner.vae).get("decode")
-    inner.vae.decode = timed_call("vae_decode", vae_decode)
-    processor = inner.image_processor
-    to_pil, own_post = processor.postprocess, vars(processor).get("postprocess")
-    processor.postprocess = timed_call("postprocess", to_pil)
-    pipeline_module.result_png = timed_call("png", png)
+    timed_calls = [(inner.vae, "decode", "vae_decode"), (inner.image_processor, "postprocess", "postprocess"),
+                   (pipeline_module, "result_png", "png")]
     try:
-        total, _ = timed(fn)
+        with ExitStack() as patched:
+            for owner, attr, name in timed_calls:  # (an instance's method comes back as the class's after the block)
+                patched.enter_context(mock.patch.object(owner, attr, timed_call(name, getattr(owner, attr))))
+            total, _ = timed(fn)
     finally:
         for h in hooks:
             h.remove()
-        if own is None:
-            del inner.vae.decode  # the instance attribute: the class's method again
-        else:
-            inner.vae.decode = own
-        pipeline_module.result_png = png
-        if own_post is None:
-            del processor.postprocess
-        else:
-            processor.postprocess = own_post
     outside = total - inside.pop("transformer", 0.0)
     parts = {k: inside.get(k, 0.0) for k in ("text_encoders", "vae_decode", "postprocess", "png")}
     parts["rest"] = outside - sum(parts.values())
