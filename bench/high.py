@@ -348,22 +348,32 @@ def kernel_family(name: str) -> str:
     return "other (aten elementwise, copies, reductions)"
 
 
-def kernel_families(fn: Callable[[], Any], runs: int = 3) -> dict[str, float]:
-    """CUDA kernel time per step (ms) by family, from torch.profiler."""
+def kernel_times(fn: Callable[[], Any], runs: int = 1) -> dict[str, float]:
+    """CUDA kernel time (ms per call of `fn`) by kernel name over `runs` calls, from torch.profiler (the kernels of
+    CUDA-graph replays included where CUPTI reports them)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with torch.no_grad():
-        fn()
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
         _sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(runs):
-                fn()
-            _sync()
-    fam: dict[str, float] = defaultdict(float)
+    times: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
         us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
         if us:
-            fam[kernel_family(evt.key)] += us / 1000.0 / runs
+            times[evt.key] += us / 1000.0 / runs
+    return dict(times)
+
+
+def kernel_families(fn: Callable[[], Any], runs: int = 3) -> dict[str, float]:
+    """CUDA kernel time per step (ms) by family, from torch.profiler."""
+    with torch.no_grad():
+        fn()
+        times = kernel_times(fn, runs)
+    fam: dict[str, float] = defaultdict(float)
+    for name, ms in times.items():
+        fam[kernel_family(name)] += ms
     return dict(sorted(fam.items(), key=lambda kv: -kv[1]))
 
 

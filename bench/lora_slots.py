@@ -33,7 +33,6 @@ import shlex
 import statistics
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.e2e import timed  # noqa: E402
+from bench.high import kernel_times  # noqa: E402
 from kernels import switches  # noqa: E402
 from model.loading import load_pipeline  # noqa: E402
 from model.metrics import psnr  # noqa: E402
@@ -55,22 +55,8 @@ def _db(value: float) -> float | str:
 
 
 def kernel_ms(fn: Any) -> dict[str, float]:
-    """CUDA kernel time (ms) by kernel name over one call of `fn` (torch.profiler; graph replays' kernels included
-    where CUPTI reports them); {} off CUDA."""
-    if not torch.cuda.is_available():
-        return {}
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    out: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
-        if us:
-            out[evt.key[:120]] += us / 1000.0
-    return dict(out)
+    """CUDA kernel time (ms) by kernel name over one call of `fn` (`bench.high.kernel_times`); {} off CUDA."""
+    return kernel_times(fn) if torch.cuda.is_available() else {}
 
 
 def kernel_delta(base: dict[str, float], lora: dict[str, float], top: int = 15) -> dict[str, Any]:
@@ -78,8 +64,9 @@ def kernel_delta(base: dict[str, float], lora: dict[str, float], top: int = 15) 
     names = set(base) | set(lora)
     delta = sorted(((lora.get(n, 0.0) - base.get(n, 0.0), n) for n in names), reverse=True)
     return {"base_ms": round(sum(base.values()), 2), "lora_ms": round(sum(lora.values()), 2),
-            "grew": [{"kernel": n, "ms": round(d, 3), "base_ms": round(base.get(n, 0.0), 3)} for d, n in delta[:top]],
-            "shrank": [{"kernel": n, "ms": round(d, 3), "base_ms": round(base.get(n, 0.0), 3)}
+            "grew": [{"kernel": n[:120], "ms": round(d, 3), "base_ms": round(base.get(n, 0.0), 3)}
+                     for d, n in delta[:top]],
+            "shrank": [{"kernel": n[:120], "ms": round(d, 3), "base_ms": round(base.get(n, 0.0), 3)}
                        for d, n in delta[::-1][:top] if d < 0]}
 
 
