@@ -37,12 +37,6 @@ from model.metrics import psnr, ssim  # noqa: E402
 from model.vae import fast_decoder  # noqa: E402
 
 
-def to_pixels(image: torch.Tensor) -> Any:
-    """A decoded [1, 3, H, W] image as diffusers' image processor turns it into PIL pixels (uint8 [H, W, 3])."""
-    x = (image / 2 + 0.5).clamp(0, 1)
-    return (x[0].permute(1, 2, 0).float().cpu().numpy() * 255).round().astype("uint8")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="flux-dev-random")
@@ -91,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         outputs = {name: fn() for name, fn in forms.items()}
     _sync()
     ref = outputs["stock"]
+
+    def to_pixels(image: torch.Tensor) -> Any:  # the PIL image the pipeline would make of it
+        return pipe.image_processor.postprocess(image, output_type="pil")[0]
+
     ref_pixels = to_pixels(ref)
     rows = {}
     for name, out in outputs.items():
@@ -100,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                       "max_ms": max(times[name]), "speedup_vs_stock": None,
                       "rel_err_vs_stock": rel(out.float(), ref.float()),
                       "psnr_db_vs_stock": None if math.isinf(p) else p,
-                      "ssim_vs_stock": ssim(pixels, ref_pixels) if min(pixels.shape[:2]) >= 11 else None}
+                      "ssim_vs_stock": ssim(pixels, ref_pixels) if min(pixels.size) >= 11 else None}
     for r in rows.values():
         r["speedup_vs_stock"] = rows["stock"]["median_ms"] / r["median_ms"]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device.startswith("cuda") else "cpu"
