@@ -84,10 +84,8 @@ def _with_term(residual: torch.Tensor, update: torch.Tensor, gate: torch.Tensor,
     """`residual + gate * (update + F.linear(t, b) * scale)` with PEFT's and eager's roundings: one Triton pass
     where the gate has seen it match, else the term's own pass and the residual's."""
     gate3 = _fast_path_args(residual, update, gate) if SWITCH.value and not _is_compiling() else None
-    sig = None
-    if gate3 is not None and t.dim() == update.dim():
-        tail = lora.signature(update, t, b)
-        sig = None if tail is None else (tail, tensor_signature(residual, gate3), clip)
+    tail = lora.signature(update, t, b) if gate3 is not None else None  # (t's rows match update's, or None)
+    sig = None if tail is None else (tail, tensor_signature(residual, gate3), clip)
 
     def fast() -> torch.Tensor:
         from . import _residual_triton

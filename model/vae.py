@@ -3,8 +3,8 @@ after them into one pass (`kernels.groupnorm`), used by the batches that ask for
 
 A diffusers hook on the VAE's `decoder`, not model code: inside `decoding(pipe, True)` the decoder's forward runs the
 copy, everywhere else (lossless batches, the encoder of edits, previews by VAE) the stock decoder runs untouched, so
-lossless stays byte-identical. The copy is made on first use (`install`) and holds the decoder's weights once more (bf16: ~100 MB
-for FLUX.1's); the VAE's weights never change while serving, so it never goes stale.
+lossless stays byte-identical. The copy is made on first use (`install`) and holds the decoder's weights once more;
+the VAE's weights never change while serving, so it never goes stale.
 """
 
 from __future__ import annotations
