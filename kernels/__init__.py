@@ -5,12 +5,14 @@ kernels run only where their guard admits the inputs (and, for the exact ones, a
 
 Lossless (bit-exact with eager):
 - `residual_gate_add`           residual + gate * update (+ diffusers' fp16 clip), one pass   (kernels/residual.py)
+                                (`terms=`: an adapter's term added to the update inside the same pass)
 - `modulate.modulate`           AdaLN modulation normed * (1 + scale) + shift                   (kernels/modulate.py)
 - `layer_norm_modulate`         LayerNorm (aten's CUDA reduction order) + modulation            (kernels/modulate.py)
 - `rope_cat`, `rms_rope_cat`    QK RMSNorm + RoPE of [text; image] into the joint tensor        (kernels/rope.py)
 - `gelu_tanh_into`              tanh-GELU written into a column slice                           (kernels/gelu.py)
 - `lora.lora_tail`              a LoRA term in PEFT's order, y + F.linear(t, B) * s, one pass    (kernels/lora.py)
-                                (`lora.deferred`: a consumer takes the terms into its own pass, e.g. the GELU's)
+                                (`lora.deferred(layer)`: a consumer takes that layer's terms into its own pass,
+                                the GELU's or the residual-gate's)
 - `attention.sdpa`              diffusers' native attention backend ([B, S, H, D] in and out)   (kernels/attention.py)
 
 High tier (not bit-exact):
@@ -21,6 +23,8 @@ High tier (not bit-exact):
 - `fp8.quantize_rows`           per-row fp8 quantization of `[a | gelu(b)]` in one pass        (kernels/_fp8_triton.py)
                                 (its rows may be longer than K: `fp8.Fp8Rows.spare`, room for adapter inputs)
 - `fp8.copy_saturated`          values into (strided) fp8 columns, saturating, in one pass      (kernels/_fp8_triton.py)
+- `fp8.rows_times_into`         fp8 rows x an adapter's fp8 A into their spare columns, one pass (kernels/_fp8_triton.py)
+- `groupnorm.group_norm`        GroupNorm (+ SiLU) over channels-last activations, one pass     (kernels/groupnorm.py)
 - `layer_norm_modulate(..., fp8=True)`  LayerNorm + modulation quantized per row in the same pass (`fp8.Fp8Rows`)
 - `attention.attention(..., fp8=True)`  int8 Q K^T, fp8 P V (kernels/_attention_fp8_triton.py); SDPA where refused
 - `rope.rms_rope_cat(..., fast=True)`  QK RMSNorm + RoPE in one non-exact pass (kernels/_high_triton.py)
