@@ -10,7 +10,8 @@
 # MUTATE_MODULES against MUTATE_TESTS, the mutants named in the file MUTATE_ONLY, MUTATE_CHILDREN at once, into
 # $OUT/mut.tar.gz; mutmut among the wheels), perf (bench/high.py: the served high form against diffusers and
 # lossless at 1024x1024, 28 steps, PERF_ARGS added), vae (bench/vae_decode.py: the VAE decode's forms), probe (bench/lora_exact_probe.py: Triton's K = r dot products
-# against cuBLAS's, and the fused LoRA tail's time against PEFT's three kernels), toy (the toy preset trained on at every size for TOY_SECONDS, from
+# against cuBLAS's, and the fused LoRA tail's time against PEFT's three kernels), shared (bench/lora_shared_a_probe.py:
+# one GEMM against stacked LoRA A's against one per layer), toy (the toy preset trained on at every size for TOY_SECONDS, from
 # the shipped weights or the folder TOY_RESUME (an earlier call's toy.tar.gz, unpacked and carried), at TOY_SIZES,
 # its whole VAE first for TOY_VAE_SECONDS (TOY_VAE_FLAGS="" tunes the decoder only), the extent head's loss weighted
 # TOY_EXTENT (0: off), then its adherence at
@@ -80,6 +81,7 @@ for part in ${PARTS:-}; do
     perf) need=240 ;;
     vae) need=120 ;;
     probe) need=60 ;;
+    shared) need=60 ;;
     kontext) need=240 ;;
     tests) need=${TESTS_NEED:-300} ;;
     mutate) need=200 ;;
@@ -96,6 +98,7 @@ for part in ${PARTS:-}; do
             --batches 1 --in-batch 0 --repeats 7 --e2e-repeats 3 ${PERF_ARGS:-} --out "$OUT/perf.json" ;;
     vae) timeout $(( $(left) - 5 )) python3 bench/vae_decode.py --repeats 9 --out "$OUT/vae-decode.json" ;;
     probe) timeout $(( $(left) - 5 )) python3 bench/lora_exact_probe.py --out "$OUT/lora-exact-probe.json" ;;
+    shared) timeout $(( $(left) - 5 )) python3 bench/lora_shared_a_probe.py --out "$OUT/lora-shared-a-probe.json" ;;
     kontext) timeout $(( $(left) - 5 )) python3 bench/e2e.py --model flux-kontext-random --edit --high-default \
                --cuda-graphs --steps 28 --repeats ${KREPEATS:-3} --out "$OUT/e2e-kontext.json" ;;
     tests) timeout $(( $(left) - 5 )) python3 -m pytest -q -p no:cacheprovider -m gpu ${TEST_ARGS:-tests/} -rfEs \
