@@ -42,6 +42,32 @@ def _ms(fn, repeats: int = 20) -> float:
 SHAPES = [(4096, 3072), (4608, 3072), (4608, 12288), (512, 3072), (2, 3072), (4096 * 4, 3072)]
 
 
+def gelu_passes(rank: int = 16) -> list[dict]:
+    """The tanh-GELU passes into a single block's joint buffer (a column slice), with and without one adapter's term,
+    beside aten's GELU into a contiguous output (what full bandwidth looks like here): ms and GB/s moved."""
+    from kernels._lossless_triton import gelu_tanh, gelu_tanh_lora
+
+    out = []
+    for m, n, width in ((4608, 12288, 15360), (4096, 12288, 12288)):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        y = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+        t = torch.randn(m, rank, device="cuda", generator=g).bfloat16()
+        b = (torch.randn(n, rank, device="cuda", generator=g) * 0.05).bfloat16()
+        joint = torch.empty(m, width, device="cuda", dtype=y.dtype)
+        dst = joint[:, width - n:]
+        moved = 2 * y.numel() * y.element_size() / 1e9
+        row = {"rows": m, "cols": n, "rank": rank,
+               "aten_contiguous_ms": _ms(lambda: F.gelu(y, approximate="tanh")),
+               "aten_into_slice_ms": _ms(lambda: torch._C._nn.gelu(y, approximate="tanh", out=dst)),
+               "triton_into_slice_ms": _ms(lambda: gelu_tanh(y, dst)),
+               "triton_lora_into_slice_ms": _ms(lambda: gelu_tanh_lora(y, t, b, 0.75, dst))}
+        row.update({k.replace("_ms", "_gbps"): round(moved / (v / 1e3), 1) for k, v in list(row.items())
+                    if k.endswith("_ms")})
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
@@ -70,7 +96,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "all_equal": all(r["tail_equal"] for r in rows), "rows": rows}
+              "all_equal": all(r["tail_equal"] for r in rows), "rows": rows, "gelu": gelu_passes()}
     print("all equal:", result["all_equal"])
     if a.out:
         with open(a.out, "w") as f:
