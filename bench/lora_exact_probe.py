@@ -45,6 +45,9 @@ SHAPES = [(4096, 3072), (4608, 3072), (4608, 12288), (512, 3072), (2, 3072), (40
 def gelu_passes(rank: int = 16) -> list[dict]:
     """The tanh-GELU passes into a single block's joint buffer (a column slice), with and without one adapter's term,
     beside aten's GELU into a contiguous output (what full bandwidth looks like here): ms and GB/s moved."""
+    import triton
+
+    from kernels import _lossless_triton as K
     from kernels._lossless_triton import gelu_tanh, gelu_tanh_lora
 
     out = []
@@ -63,6 +66,13 @@ def gelu_passes(rank: int = 16) -> list[dict]:
                "triton_lora_into_slice_ms": _ms(lambda: gelu_tanh_lora(y, t, b, 0.75, dst))}
         row.update({k.replace("_ms", "_gbps"): round(moved / (v / 1e3), 1) for k, v in list(row.items())
                     if k.endswith("_ms")})
+        # the plain pass's fixed tile (GELU_CONFIG) against others
+        row["triton_into_slice_ms_by_tile"] = {
+            f"{block}x{warps}": _ms(lambda: K._gelu_tanh_kernel[(m, triton.cdiv(n, block))](
+                y, dst, n, y.stride(0), dst.stride(0), BETA=K._GELU_BETA, KAPPA=K._GELU_KAPPA,
+                TY=K._TL_DTYPE[y.dtype], FMA_INNER=K.GELU_FMA_INNER, BLOCK=block, INTERPRET=False,
+                enable_fp_fusion=False, num_warps=warps))
+            for block, warps in ((512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16))}
         out.append(row)
         print(json.dumps(row), flush=True)
     return out

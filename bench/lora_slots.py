@@ -5,7 +5,7 @@ PEFT adapters (one graph per adapter set), then the high pool's served form with
 One process, one set of weights (default: flux-dev-random, FLUX.1-dev architecture, random bf16 weights),
 1024x1024. First lossless (PEFT): `lossless` without and `lossless_lora` with one adapter (each term through the
 fused tail, or inside the single blocks' GELU pass: model/peft_tail.py), `lossless_lora_peft` the same with those
-passes switched off (PEFT's three kernels per term), graphed, and the graphed adapter image against the eager one and against PEFT's (PNG bytes). Then the same pipeline, its PEFT adapters unloaded, converted to the
+passes, the residual pass's term and the shared x A^T GEMM switched off (PEFT's kernels), graphed, and the graphed adapter image against the eager one and against PEFT's (PNG bytes). Then the same pipeline, its PEFT adapters unloaded, converted to the
 high form. Each repeat interleaves, after a warm-up that captures every graph (median over repeats):
   base        high, batch 1, no adapter
   lora        high, batch 1, one adapter (rank `--lora-rank` on q/v/out, FF down and the single blocks' MLP / output
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, batch in lossless.items():
             # lossless_lora_peft: each adapter term as PEFT adds it (three kernels), the fused passes switched off
             fused = name != "lossless_lora_peft"
-            with switches.override(lora_tail=fused, gelu_tanh_lora=fused):
+            with switches.override(lora_tail=fused, gelu_tanh_lora=fused, residual_gate_lora=fused,
+                                   lora_shared_a=fused):
                 t, outs[name] = timed(lambda: pipe.generate(batch))
             if i:
                 times[name].append(t)
@@ -128,10 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.equal(outs["lossless_lora_peft"][0].latents, out[0].latents))
     from kernels.lora import GATE as TAIL
 
-    tail = {"fast_calls": TAIL.fast_calls, "signatures": len(TAIL.verdicts()),
-            "signatures_equal": sum(TAIL.verdicts().values())}
+    from model.peft_tail import SHARED_A_GATE
+
+    tail, shared_a = ({"fast_calls": g.fast_calls, "signatures": len(g.verdicts()),
+                       "signatures_equal": sum(g.verdicts().values())} for g in (TAIL, SHARED_A_GATE))
     print(f"lossless: {times}; graphed adapter image equal to eager: {lossless_equal}, fused tail equal to PEFT's "
-          f"three kernels: {tail_equal}; tail gate {tail}", flush=True)
+          f"three kernels: {tail_equal}; tail gate {tail}; shared A gate {shared_a}", flush=True)
     pipe.remove_lora("a0")
     pipe.pipe.unload_lora_weights()  # no PEFT layer left: the high form converts plain linears
     if graphs is not None:
@@ -204,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "lora_overhead_lossless_peft_pct": round(100 * (med["lossless_lora_peft"] / med["lossless"] - 1), 2),
         "lossless_lora_tail_png_equal_peft": tail_equal,
         "lora_tail_gate": tail,
+        "lora_shared_a_gate": shared_a,
         "adapter_layers": {"inside_gemm": inside, "beside_gemm": beside},
         "lora_overhead_high_beside_pct": (round(100 * (med["lora_beside"] / med["base_beside"] - 1), 2)
                                           if "lora_beside" in med else None),

@@ -610,7 +610,9 @@ def _gelu_tanh_lora_kernel(
 # output's K = r sum runs (the gate checks each signature anyway); the interpreter takes LORA_TAIL_CONFIG.
 _LORA_CONFIGS = [triton.Config({"BM": bm, "BN": bn}, num_warps=w)
                  for bm, bn, w in ((64, 128, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8), (128, 64, 4),
-                                   (32, 256, 4), (32, 128, 4), (16, 256, 4), (32, 64, 4))]
+                                   (32, 256, 4), (32, 128, 4), (16, 256, 4), (32, 64, 4),
+                                   # 16 outputs per thread: the GELU's fp32 temporaries without spills
+                                   (16, 128, 4), (16, 256, 8), (32, 128, 8), (64, 64, 8))]
 _lora_tail_tuned = autotune(_LORA_CONFIGS, key=["M", "N", "R"])(_lora_tail_kernel)
 _gelu_tanh_lora_tuned = autotune(_LORA_CONFIGS, key=["M", "N", "R"])(_gelu_tanh_lora_kernel)
 

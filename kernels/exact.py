@@ -36,7 +36,8 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(nan_a, nan_b) and torch.equal(a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)))
 
 
-def _cannot_verify_now() -> bool:
+def cannot_verify_now() -> bool:
+    """While torch.compile traces or a CUDA graph captures, no comparison can run (it would sync)."""
     if torch.compiler.is_compiling():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -67,6 +68,10 @@ class ExactGate:
         """Has the kernel matched eager for this signature (so `fast` runs without a comparison)?"""
         return self._verdict.get(signature) is True
 
+    def verdict(self, signature: Signature) -> bool | None:
+        """The comparison's outcome for this signature: True (fast runs), False (eager), None (not compared yet)."""
+        return self._verdict.get(signature)
+
     def reset(self) -> None:
         self._verdict.clear()
         self.fast_calls = 0
@@ -87,7 +92,7 @@ class ExactGate:
         if verdict is True:
             self.fast_calls += 1
             return fast()
-        if verdict is False or _cannot_verify_now():
+        if verdict is False or cannot_verify_now():
             return eager()
         expected = eager()
         try:

@@ -310,6 +310,11 @@ class FluxTransformerBlock(nn.Module):
         self.ff_context = FluxFeedForward(dim=dim, dim_out=dim)
         mark_norm_site(self)  # norm2 / norm2_context + their modulation
 
+    def shared_input_groups(self) -> tuple[tuple[nn.Module, ...], ...]:
+        """Layers that each read one tensor: the image stream's q, k, v and the text stream's (model/peft_tail.py
+        multiplies their adapters' A's in one GEMM)."""
+        return (self.attn.projections(text=False), self.attn.projections(text=True))
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -397,6 +402,10 @@ class FluxSingleTransformerBlock(nn.Module):
         if self.to_qkv_mlp is not None:
             return (self.to_qkv_mlp,)
         return (*self.attn.projections(text=False), self.proj_mlp)
+
+    def shared_input_groups(self) -> tuple[tuple[nn.Module, ...], ...]:
+        """Layers that each read one tensor (model/peft_tail.py multiplies their adapters' A's in one GEMM)."""
+        return (self.norm_consumers(),)
 
     def _update(self, norm_hidden_states: torch.Tensor,
                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

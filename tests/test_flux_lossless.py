@@ -91,10 +91,10 @@ def test_gate_never_verifies_while_compiling_or_capturing(monkeypatch) -> None:
     gate = ExactGate("t")
     x = torch.randn(3)
     fast, eager = _Counter(x), _Counter(x)
-    monkeypatch.setattr(exact, "_cannot_verify_now", lambda: True)
+    monkeypatch.setattr(exact, "cannot_verify_now", lambda: True)
     gate.run(("s",), fast, eager)
     assert (fast.calls, eager.calls) == (0, 1) and gate.verdicts() == {}
-    monkeypatch.setattr(exact, "_cannot_verify_now", lambda: False)
+    monkeypatch.setattr(exact, "cannot_verify_now", lambda: False)
     gate.run(("s",), fast, eager)  # now it may verify
     assert fast.calls == 1 and gate.verdicts() == {("s",): True}
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)

@@ -274,6 +274,95 @@ def test_states_the_hook_does_not_cover_run_pefts_own_forward(state: str, tail_c
     assert torch.equal(got, want) and tail_calls == []
 
 
+class _Trio(nn.Module):
+    """Three layers that read one input (as a block's q, k, v do), declared as the blocks declare them, each with
+    adapters "a" (rank 16) and "b" (rank 32); integer weights, so any summation order gives the same sums (the gate's
+    verdict is then the same on every BLAS) while a product handed to the wrong layer still shows."""
+
+    def __init__(self) -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(24, 40), nn.Linear(24, 40), nn.Linear(24, 40)
+        for name, r in (("a", 16), ("b", 32)):
+            inject_adapter_in_model(LoraConfig(r=r, lora_alpha=7, target_modules=["q", "k", "v"]), self,
+                                    adapter_name=name)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randint(-2, 3, p.shape, generator=g))
+        for layer in self.layers():
+            layer.set_adapter(["a", "b"])
+
+    def layers(self) -> tuple[nn.Module, ...]:
+        return self.q, self.k, self.v
+
+    def shared_input_groups(self) -> tuple[tuple[nn.Module, ...], ...]:
+        return (self.layers(),)
+
+
+def _a_calls(model: nn.Module) -> list[str]:
+    """Names of the LoRA A modules as they are called (each layer multiplying its own input)."""
+    calls: list[str] = []
+    for name, m in model.named_modules():
+        if name.endswith(("lora_A.a", "lora_A.b")):
+            m.register_forward_hook(lambda mod, args, out, name=name: calls.append(name))
+    return calls
+
+
+def test_layers_reading_one_input_take_their_a_products_from_one_gemm() -> None:
+    """q, k, v on one input: each adapter's x A^T for the three from one GEMM against their stacked A's (after the
+    gate compared it once per adapter), each layer's output equal to PEFT's bit for bit; k on another input
+    multiplies its own. Catches a layer handed another layer's (or another adapter's) product, a product kept for a
+    different input, the stacked GEMM skipped after the gate agreed."""
+    from model.peft_tail import SHARED_A_GATE, install
+
+    model = _Trio().bfloat16().eval()
+    x = torch.randint(-3, 4, (2, 5, 24)).bfloat16()
+    want = [_peft(m, x) for m in model.layers()]
+    install(model)
+    calls = _a_calls(model)
+    SHARED_A_GATE.reset()
+    with torch.no_grad():
+        for _ in range(2):
+            assert all(torch.equal(m(x), w) for m, w in zip(model.layers(), want))
+        assert calls == [] and sorted(SHARED_A_GATE.verdicts().values()) == [True, True]
+        assert SHARED_A_GATE.fast_calls == 2  # the second round: one GEMM per adapter for the three layers
+        other = torch.randint(-3, 4, (2, 5, 24)).bfloat16()
+        assert torch.equal(model.q(x), want[0]) and torch.equal(model.k(other), _peft(model.k, other))
+        assert torch.equal(model.v(x), want[2])
+
+
+def test_where_the_stacked_gemm_differs_each_layer_multiplies_its_own(monkeypatch, caplog) -> None:
+    """A stacked product whose columns differ from a layer's own GEMM (as cuBLAS may for some shapes): the gate
+    refuses that signature once, and every layer runs its own A, equal to PEFT. Catches the stacked result used
+    without or against the comparison."""
+    import types
+
+    import torch.nn.functional as F
+
+    from model import peft_tail
+
+    def linear(x, w, bias=None):  # a GEMM that rounds differently past 32 output columns (only the stacked ones)
+        y = F.linear(x, w, bias)
+        return y + 1 if w.shape[0] > 32 else y
+
+    monkeypatch.setattr(peft_tail, "F", types.SimpleNamespace(linear=linear))
+    model = _Trio().bfloat16().eval()
+    x = torch.randint(-3, 4, (3, 24)).bfloat16()
+    want = [_peft(m, x) for m in model.layers()]
+    peft_tail.install(model)
+    calls = _a_calls(model)
+    peft_tail.SHARED_A_GATE.reset()
+    with torch.no_grad():
+        for _ in range(2):
+            assert all(torch.equal(m(x), w) for m, w in zip(model.layers(), want))
+    assert sorted(peft_tail.SHARED_A_GATE.verdicts().values()) == [False, False]
+    # round 1 took the products the comparison made; round 2: each layer its own A, per adapter
+    assert peft_tail.SHARED_A_GATE.fast_calls == 0 and len(calls) == 3 * 2
+    assert any("differs from eager" in r.getMessage() for r in caplog.records)
+
+
 def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path: Path, tail_calls,
                                                       monkeypatch) -> None:
     """Adapters loaded at start and while serving (PEFT) end hooked, and a lossless batch with them runs its terms
@@ -336,9 +425,15 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
         ref.load_lora_weights(path, adapter_name=name)
     ref.set_adapters(["ink", "sun"], [0.8, 0.5])
     req = GenerationRequest("a red fox", height=64, width=64, steps=2, seed=5, loras=(("ink", 0.8), ("sun", 0.5)))
+    from model.peft_tail import SHARED_A_GATE
+
+    SHARED_A_GATE.reset()
     got = ours.generate([req])[0]
     lat, png = run_flux_pipeline(ref, [req])
     assert torch.equal(got.latents, lat[0]) and got.png == png[0]
+    # ink's q and MLP-in of a single block read one input: their A's were multiplied as one (whichever way the gate
+    # found this CPU's GEMM to go, the bytes above are PEFT's)
+    assert SHARED_A_GATE.verdicts()
     assert len(tail_calls) >= 2 * len(adapted) and {r for r, _ in tail_calls} == {16}
     # each proj_mlp site hands ink's term to the GELU pass (which, on the CPU, adds it and calls itself again)
     assert into and all(into) and handed.count(1) == len(into)
@@ -432,6 +527,9 @@ def test_gpu_lossless_adapters_through_the_tail_are_byte_identical_to_stock_diff
         ref.load_lora_weights(path, adapter_name=name)
     ref.set_adapters(["ink", "sun"], [0.8, 0.5])
     req = GenerationRequest("a red fox", height=256, width=256, steps=3, seed=5, loras=(("ink", 0.8), ("sun", 0.5)))
+    from model.peft_tail import SHARED_A_GATE
+
+    SHARED_A_GATE.reset()
     L.GATE.reset()
     ours.generate([req])  # the gate compares each shape once
     before = L.GATE.fast_calls
@@ -439,6 +537,7 @@ def test_gpu_lossless_adapters_through_the_tail_are_byte_identical_to_stock_diff
     lat, png = run_flux_pipeline(ref, [req])
     assert torch.equal(got.latents, lat[0]) and got.png == png[0]
     assert L.GATE.fast_calls > before and all(L.GATE.verdicts().values()), L.GATE.verdicts()
+    assert SHARED_A_GATE.verdicts()  # q, k, v (and MLP-in) share their A GEMM where cuBLAS sums alike
     one = GenerationRequest("a red fox", height=256, width=256, steps=3, seed=6, loras=(("ink", 0.8),))
     R.LORA_GATE.reset()
     ours.generate([one])
