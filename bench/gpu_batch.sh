@@ -97,7 +97,7 @@ for part in ${PARTS:-}; do
     perf) timeout $(( $(left) - 5 )) python3 bench/high.py --only "$SERVED_HIGH" --steps 28 --e2e-steps 28 \
             --batches 1 --in-batch 0 --repeats 7 --e2e-repeats 3 ${PERF_ARGS:-} --out "$OUT/perf.json" ;;
     vae) timeout $(( $(left) - 5 )) python3 bench/vae_decode.py --repeats 9 --out "$OUT/vae-decode.json" ;;
-    probe) timeout $(( $(left) - 5 )) python3 bench/lora_exact_probe.py --out "$OUT/lora-exact-probe.json" ;;
+    probe) timeout $(( $(left) - 5 )) python3 bench/lora_exact_probe.py ${PROBE_ARGS:-} --out "$OUT/lora-exact-probe.json" ;;
     shared) timeout $(( $(left) - 5 )) python3 bench/lora_shared_a_probe.py --out "$OUT/lora-shared-a-probe.json" ;;
     kontext) timeout $(( $(left) - 5 )) python3 bench/e2e.py --model flux-kontext-random --edit --high-default \
                --cuda-graphs --steps 28 --repeats ${KREPEATS:-3} --out "$OUT/e2e-kontext.json" ;;
