@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,20 +21,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.kernel_ops import stream_time_us  # noqa: E402
 from kernels.lora import RANKS, lora_tail_eager  # noqa: E402
 
 
-def _ms(fn, repeats: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def _ms(fn) -> float:
+    return stream_time_us(fn) / 1e3  # median over batches of back-to-back launches
 
 
 # FLUX.1 adapter layers at 1024x1024: (rows, output columns): q/v/out (3072), MLP in (12288), text rows (512).

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,20 +18,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.kernel_ops import stream_time_us  # noqa: E402
 from kernels.lora import RANKS  # noqa: E402
 
 
-def _ms(fn, repeats: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def _ms(fn) -> float:
+    return stream_time_us(fn) / 1e3  # median over batches of back-to-back launches
 
 
 # (tokens per image, K) at 1024x1024: image rows, text rows, a single block's joined rows; 2 to 4 layers share them
