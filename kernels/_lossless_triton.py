@@ -569,41 +569,63 @@ LORA_TAIL_CONFIG = {"BM": 64, "BN": 128, "num_warps": 4}
 
 
 @triton.jit
-def _with_lora(y_ptr, t_ptr, b_ptr, M, N, scale, rm, rn, R: tl.constexpr, TY: tl.constexpr):
-    # fp32 [BM, BN] tile of PEFT's output y + F.linear(t, B) * scale at rows rm, columns rn (y contiguous [M, N])
+def _store_tile(ptrs, v, lm, rn, rows, N, EVEN: tl.constexpr):
+    # a [BM, BN] tile's store: masked to `rows` local rows and N columns unless the tile is whole (EVEN)
+    if EVEN:
+        tl.store(ptrs, v)
+    else:
+        tl.store(ptrs, v, mask=(lm[:, None] < rows) & (rn[None, :] < N))
+
+
+@triton.jit
+def _with_lora(y_blk, t_blk, b_ptr, rows, N, scale, lm, rn, R: tl.constexpr, TY: tl.constexpr, EVEN: tl.constexpr):
+    # fp32 [BM, BN] tile of PEFT's output y + F.linear(t, B) * scale. y_blk / t_blk point at the tile's first row of a
+    # contiguous y [M, N] / t [M, R]; lm: local rows (32-bit offsets within the tile), `rows` of them left there;
+    # rn: columns. EVEN (whole tiles: M and N multiples of the tile): no masks.
     rk = tl.arange(0, R)
-    t = tl.load(t_ptr + rm[:, None] * R + rk[None, :], mask=rm[:, None] < M, other=0.0)
-    b = tl.load(b_ptr + rn[None, :] * R + rk[:, None], mask=rn[None, :] < N, other=0.0)  # B^T tile [R, BN]
+    if EVEN:
+        t = tl.load(t_blk + lm[:, None] * R + rk[None, :])
+        b = tl.load(b_ptr + rn[None, :] * R + rk[:, None])  # B^T tile [R, BN]
+        y = tl.load(y_blk + lm[:, None] * N + rn[None, :])
+    else:
+        t = tl.load(t_blk + lm[:, None] * R + rk[None, :], mask=lm[:, None] < rows, other=0.0)
+        b = tl.load(b_ptr + rn[None, :] * R + rk[:, None], mask=rn[None, :] < N, other=0.0)
+        y = tl.load(y_blk + lm[:, None] * N + rn[None, :], mask=(lm[:, None] < rows) & (rn[None, :] < N), other=0.0)
     lora = _round(tl.dot(t, b, out_dtype=tl.float32), TY)
     lora = _round(lora * scale, TY)
-    ok = (rm[:, None] < M) & (rn[None, :] < N)
-    y = tl.load(y_ptr + rm[:, None] * N + rn[None, :], mask=ok, other=0.0).to(tl.float32)
-    return y + lora
+    return y.to(tl.float32) + lora
 
 
 @triton.jit
 def _lora_tail_kernel(
     y_ptr, t_ptr, b_ptr, out_ptr, M, N, scale,
-    R: tl.constexpr, TY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    R: tl.constexpr, TY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
 ):
-    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    row0 = tl.program_id(0).to(tl.int64) * BM  # 64-bit once per tile; 32-bit offsets inside it
+    lm = tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    v = _with_lora(y_ptr, t_ptr, b_ptr, M, N, scale, rm, rn, R, TY)
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], _cast(v, TY), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    v = _with_lora(y_ptr + row0 * N, t_ptr + row0 * R, b_ptr, M - row0, N, scale, lm, rn, R, TY, EVEN)
+    _store_tile(out_ptr + row0 * N + lm[:, None] * N + rn[None, :], _cast(v, TY), lm, rn, M - row0, N, EVEN)
 
 
 @triton.jit
 def _gelu_tanh_lora_kernel(
     y_ptr, t_ptr, b_ptr, out_ptr, M, N, out_sr, scale,
-    R: tl.constexpr, TY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    R: tl.constexpr, TY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
     BETA: tl.constexpr, KAPPA: tl.constexpr, FMA_INNER: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # the adapter's layer output as PEFT rounds it, then the tanh-GELU into out's strided rows (a column slice)
-    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    row0 = tl.program_id(0).to(tl.int64) * BM
+    lm = tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    v = _round(_with_lora(y_ptr, t_ptr, b_ptr, M, N, scale, rm, rn, R, TY), TY)
+    v = _round(_with_lora(y_ptr + row0 * N, t_ptr + row0 * R, b_ptr, M - row0, N, scale, lm, rn, R, TY, EVEN), TY)
     g = _gelu_tanh_value(v, BETA, KAPPA, FMA_INNER, INTERPRET)
-    tl.store(out_ptr + rm[:, None] * out_sr + rn[None, :], _cast(g, TY), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    _store_tile(out_ptr + row0 * out_sr + lm[:, None] * out_sr + rn[None, :], _cast(g, TY), lm, rn, M - row0, N,
+                EVEN)
+
+
+def _even(M: int, N: int, bm: int, bn: int) -> bool:
+    return M % bm == 0 and N % bn == 0
 
 
 # Tiles timed per (M, N, rank) on the GPU: the tile shape changes which outputs a program writes, not how one
@@ -613,16 +635,17 @@ _LORA_CONFIGS = [triton.Config({"BM": bm, "BN": bn}, num_warps=w)
                                    (32, 256, 4), (32, 128, 4), (16, 256, 4), (32, 64, 4),
                                    # 16 outputs per thread: the GELU's fp32 temporaries without spills
                                    (16, 128, 4), (16, 256, 8), (32, 128, 8), (64, 64, 8))]
-_lora_tail_tuned = autotune(_LORA_CONFIGS, key=["M", "N", "R"])(_lora_tail_kernel)
-_gelu_tanh_lora_tuned = autotune(_LORA_CONFIGS, key=["M", "N", "R"])(_gelu_tanh_lora_kernel)
+_EVEN = triton.heuristics({"EVEN": lambda a: _even(a["M"], a["N"], a["BM"], a["BN"])})
+_lora_tail_tuned = autotune(_LORA_CONFIGS, key=["M", "N", "R"])(_EVEN(_lora_tail_kernel))
+_gelu_tanh_lora_tuned = autotune(_LORA_CONFIGS, key=["M", "N", "R"])(_EVEN(_gelu_tanh_lora_kernel))
 
 
 def _lora_launch(kernel: Any, tuned: Any, M: int, N: int, *args: Any, **meta: Any) -> None:
     """Launch a LoRA-term kernel over [M, N]: the tuned one on the GPU, LORA_TAIL_CONFIG's tile in the interpreter."""
     if _interpreting():
-        config = LORA_TAIL_CONFIG
-        kernel[(triton.cdiv(M, config["BM"]), triton.cdiv(N, config["BN"]))](
-            *args, BM=config["BM"], BN=config["BN"], num_warps=config["num_warps"], **meta)
+        c = LORA_TAIL_CONFIG
+        kernel[(triton.cdiv(M, c["BM"]), triton.cdiv(N, c["BN"]))](
+            *args, BM=c["BM"], BN=c["BN"], EVEN=_even(M, N, c["BM"], c["BN"]), num_warps=c["num_warps"], **meta)
     else:
         tuned[lambda m: (triton.cdiv(M, m["BM"]), triton.cdiv(N, m["BN"]))](*args, **meta)
 

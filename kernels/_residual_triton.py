@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._lossless_triton import _TL_DTYPE, _round, _with_lora
+from ._lossless_triton import _TL_DTYPE, _round, _store_tile, _with_lora
 
 # Tile shapes swept by bench/kernel_ops.py. On an H200 (torch 2.11, triton 3.6) all ran within noise of each other
 # on the FLUX shapes (19.2-19.6 us at (1,4096,3072) bf16); Triton's autotuner wrapper cost ~30 us of host time
@@ -100,25 +100,32 @@ def launch(
 @triton.jit
 def _residual_gate_lora_kernel(
     r_ptr, u_ptr, g_ptr, t_ptr, b_ptr, o_ptr, M, S, D, g_bstride, scale,
-    R: tl.constexpr, TY: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, CLIP: tl.constexpr,
+    R: tl.constexpr, TY: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, CLIP: tl.constexpr, EVEN: tl.constexpr,
 ):
     # update = u + F.linear(t, B) * scale with PEFT's three roundings (the LoRA tail's own tile function), then
     # residual + gate * update with eager's two: the adapter layer's output is never written. (Rows past S load the
-    # next image's rows, M = B * S bounds the loads; the store keeps this image's.)
-    rows = tl.program_id(0) * BS + tl.arange(0, BS)
-    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    # next image's rows, M = B * S bounds the loads; the store keeps this image's.) EVEN: S and D multiples of the
+    # tile, no masks.
     b = tl.program_id(2).to(tl.int64)
-    m = b * S + rows.to(tl.int64)  # rows of the flattened [B * S, D] update
-    update = _round(_with_lora(u_ptr, t_ptr, b_ptr, M, D, scale, m, cols, R, TY), TY)
-    mask = (rows[:, None] < S) & (cols[None, :] < D)
-    offs = m[:, None] * D + cols[None, :]
-    g = tl.load(g_ptr + b * g_bstride + cols, mask=cols < D, other=0.0).to(tl.float32)
-    r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    row0 = b * S + tl.program_id(0) * BS  # the tile's first row of the flattened [B * S, D] tensors (64-bit, once)
+    lm = tl.arange(0, BS)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    update = _round(_with_lora(u_ptr + row0 * D, t_ptr + row0 * R, b_ptr, M - row0, D, scale, lm, cols, R, TY, EVEN),
+                    TY)
+    offs = lm[:, None] * D + cols[None, :]
+    rows = S - tl.program_id(0) * BS  # this image's rows left in the tile
+    if EVEN:
+        g = tl.load(g_ptr + b * g_bstride + cols).to(tl.float32)
+        r = tl.load(r_ptr + row0 * D + offs).to(tl.float32)
+    else:
+        g = tl.load(g_ptr + b * g_bstride + cols, mask=cols < D, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row0 * D + offs, mask=(lm[:, None] < rows) & (cols[None, :] < D), other=0.0)
+        r = r.to(tl.float32)
     prod = _round(g[None, :] * update, TY)
     out = _round(r + prod, TY)
     if CLIP > 0:
         out = tl.where(out > CLIP, CLIP, tl.where(out < -CLIP, -CLIP, out))
-    tl.store(o_ptr + offs, out.to(TY), mask=mask)
+    _store_tile(o_ptr + row0 * D + offs, out.to(TY), lm, cols, rows, D, EVEN)
 
 
 LORA_CONFIG = {"BS": 64, "BD": 128, "num_warps": 4}
@@ -134,7 +141,7 @@ def launch_lora(residual: torch.Tensor, update: torch.Tensor, gate3: torch.Tenso
     grid = (triton.cdiv(S, cfg["BS"]), triton.cdiv(D, cfg["BD"]), B)
     _residual_gate_lora_kernel[grid](
         residual, update, gate3, t, b, out, B * S, S, D, gate3.stride(0), float(scale), R=t.shape[-1],
-        TY=_TL_DTYPE[residual.dtype], BS=cfg["BS"], BD=cfg["BD"], CLIP=float(clip or 0.0), enable_fp_fusion=False,
-        num_warps=cfg["num_warps"],
+        TY=_TL_DTYPE[residual.dtype], BS=cfg["BS"], BD=cfg["BD"], CLIP=float(clip or 0.0),
+        EVEN=S % cfg["BS"] == 0 and D % cfg["BD"] == 0, enable_fp_fusion=False, num_warps=cfg["num_warps"],
     )
     return out

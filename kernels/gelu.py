@@ -309,7 +309,7 @@ def _gelu_tanh_lora_into(h: torch.Tensor, out: torch.Tensor, t: torch.Tensor, b:
         return gelu_tanh_into(lora.lora_tail(h, t, b, scale), out)
 
     into = _gelu_into_signature(h, out) if GELU_LORA_GATE.enabled else None
-    term = lora.signature(h, t, b) if into is not None else None
+    term = lora.signature(h, t, b) if into is not None and out.stride(-2) <= lora.MAX_ROW else None
     if term is None:
         return apart()
     sig = (into, term)

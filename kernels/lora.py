@@ -19,6 +19,9 @@ _HALF = (torch.float16, torch.bfloat16)
 GATE = ExactGate("lora_tail", "LoRA term y + F.linear(t, B) * s in one Triton pass (bit-exact gate)")
 # Ranks the kernel takes: tensor-core dot products over K in steps of 16, the whole rank in registers.
 RANKS = (16, 32, 64, 128)
+# The LoRA passes address a tile by 32-bit offsets from its first row: rows (and an output's row stride) of at most
+# this many elements (tiles have at most 256 rows).
+MAX_ROW = 2**31 // 256
 
 
 def lora_tail_eager(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -39,6 +42,8 @@ def signature(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> Signature | 
         return None
     r = t.shape[-1]
     if r not in RANKS or b.shape != (y.shape[-1], r) or t.shape[:-1] != y.shape[:-1] or y.numel() == 0:
+        return None
+    if y.shape[-1] > MAX_ROW:
         return None
     if not (y.is_contiguous() and t.is_contiguous() and b.is_contiguous()):
         return None

@@ -157,6 +157,26 @@ def tail_calls(monkeypatch) -> list[tuple]:
     return calls
 
 
+def test_rows_wider_than_the_passes_32_bit_offsets_reach_stay_eager(monkeypatch) -> None:
+    """The LoRA passes address a tile by 32-bit offsets from its first row: rows (or, for the GELU pass, an output
+    row stride) past `MAX_ROW` elements get no kernel signature, so they run eager. Catches the bound dropped."""
+    from kernels import gelu, lora
+
+    monkeypatch.setattr(lora, "_device_supported", lambda device: True)
+    monkeypatch.setattr(gelu, "_into_device_supported", lambda device: True)
+    y, t, b = torch.zeros(4, 48).half(), torch.zeros(4, 16).half(), torch.zeros(48, 16).half()
+    assert lora.signature(y, t, b) is not None
+    monkeypatch.setattr(lora, "MAX_ROW", 32)
+    assert lora.signature(y, t, b) is None
+    monkeypatch.setattr(lora, "MAX_ROW", 48)
+    launched, apart = [], []
+    monkeypatch.setattr(gelu.GELU_LORA_GATE, "run", lambda *a: launched.append(a))
+    monkeypatch.setattr(lora, "lora_tail", lambda h, *a: apart.append("term") or h)
+    monkeypatch.setattr(gelu, "gelu_tanh_into", lambda h, out: apart.append("gelu") or out)
+    gelu._gelu_tanh_lora_into(y, torch.zeros(4, 64).half()[:, 8:56], t, b, 0.5)  # out rows 64 apart
+    assert launched == [] and apart == ["term", "gelu"]
+
+
 def test_the_hook_adds_each_active_adapter_as_peft_does(tail_calls) -> None:
     """A hooked PEFT layer's output equals PEFT's forward bit for bit (bf16, two adapters of different ranks and
     scales, a batch of rows), through one tail per active adapter in PEFT's order with PEFT's scaling; a second
