@@ -15,6 +15,7 @@ where its gate saw the stacked product's columns equal each layer's own GEMM.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -84,7 +85,9 @@ class SharedInput:
         # adapter name -> (the A weights it was stacked from, as identity/data/version, the stacked tensor)
         self._stacked: dict[str, tuple[tuple, torch.Tensor]] = {}
         self._retired: list[torch.Tensor] = []  # replaced stacks a captured graph may still read
-        self._x: torch.Tensor | None = None  # the input the products below belong to (by identity)
+        # the input the products below belong to, by identity (weakly: a product a member never takes must not keep
+        # a block's activations alive)
+        self._x: weakref.ref | None = None
         self._ready: dict[tuple[int, str], torch.Tensor] = {}
 
     def _stack(self, name: str, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -100,7 +103,7 @@ class SharedInput:
 
     def product(self, layer: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor | None:
         """`layer.lora_A[name](x)` from the group's one GEMM; None where the layer must multiply its own."""
-        if self._x is x:
+        if self._x is not None and self._x() is x:
             t = self._ready.pop((id(layer), name), None)
             if t is not None:
                 if not self._ready:
@@ -108,7 +111,8 @@ class SharedInput:
                 return t
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or not SHARED_A_GATE.enabled:
             return None  # (the stacked copy carries no gradient; a trace takes each layer's own GEMM)
-        members = [m for m in self.members if name in m.lora_A]
+        members = [m for m in self.members if name in m.lora_A and name in m.active_adapters
+                   and not (m.disable_adapters or m.merged)]
         weights = [m.lora_A[name].weight for m in members]
         if len(members) < 2 or any(w.dtype != x.dtype or w.device != x.device or w.shape[1] != x.shape[-1]
                                    for w in weights):
@@ -121,8 +125,8 @@ class SharedInput:
             return None
         y = SHARED_A_GATE.run(sig, lambda: F.linear(x, stacked),
                               lambda: torch.cat([F.linear(x, w) for w in weights], dim=-1))
-        if self._x is not x:
-            self._x, self._ready = x, {}
+        if self._x is None or self._x() is not x:
+            self._x, self._ready = weakref.ref(x), {}
         self._ready.update({(id(m), name): t for m, t in zip(members, _pieces(y, widths))})
         return self.product(layer, name, x)
 

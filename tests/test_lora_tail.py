@@ -353,6 +353,31 @@ def test_layers_reading_one_input_take_their_a_products_from_one_gemm() -> None:
         assert torch.equal(model.v(x), want[2])
 
 
+def test_products_no_layer_takes_keep_no_input_alive_and_inactive_adapters_stay_out() -> None:
+    """q on an input computes k's and v's products too; if they never come, the input is still freed (a block's
+    activations must not outlive it). k with only adapter "a" active: q, k, v still equal PEFT. Catches the group
+    holding its input strongly, an inactive adapter's term added."""
+    import gc
+    import weakref
+
+    from model.peft_tail import install
+
+    model = _Trio().bfloat16().eval()
+    install(model)
+    x = torch.randint(-3, 4, (2, 5, 24)).bfloat16()
+    with torch.no_grad():
+        model.q(x)
+    held = weakref.ref(x)
+    del x
+    gc.collect()
+    assert held() is None
+    model.k.set_adapter(["a"])
+    x = torch.randint(-3, 4, (4, 24)).bfloat16()
+    want = [_peft(m, x) for m in model.layers()]
+    with torch.no_grad():
+        assert all(torch.equal(m(x), w) for m, w in zip(model.layers(), want))
+
+
 def test_where_the_stacked_gemm_differs_each_layer_multiplies_its_own(monkeypatch, caplog) -> None:
     """A stacked product whose columns differ from a layer's own GEMM (as cuBLAS may for some shapes): the gate
     refuses that signature once, and every layer runs its own A, equal to PEFT. Catches the stacked result used
