@@ -81,10 +81,22 @@ def add_terms(y: torch.Tensor, terms: list[Term]) -> torch.Tensor:
 _DEFERRED: ContextVar[dict[int, list]] = ContextVar("lora_deferred", default={})
 
 
+# Whether any layer may defer (set by `accept_deferrals`, when model/peft_tail.py hooks adapter layers): until then
+# the blocks' `deferred` calls skip the bookkeeping (host time in every eager step).
+_ACCEPTING = False
+
+
+def accept_deferrals() -> None:
+    """Adapter layers that `defer` exist from now on in this process."""
+    global _ACCEPTING
+    _ACCEPTING = True
+
+
 def deferred(layer: object) -> AbstractContextManager[list[Term]]:
     """Collect the terms of `layer`'s first call inside (its base output is what that call returns). Under
-    torch.compile (which serves no PEFT adapters: the feature table) a no-op a trace can take whole."""
-    if torch.compiler.is_compiling():
+    torch.compile (which serves no PEFT adapters: the feature table), or before any adapter layer is hooked, a no-op
+    (a trace takes it whole)."""
+    if not _ACCEPTING or torch.compiler.is_compiling():
         return nullcontext([])
     return _deferred(layer)
 

@@ -25,7 +25,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from kernels.exact import ExactGate, cannot_verify_now, tensor_signature
-from kernels.lora import add_terms, defer
+from kernels.lora import accept_deferrals, add_terms, defer
 from model.linear import plain_weight
 
 HOOK = "fluxserve_lora_tail"
@@ -172,6 +172,8 @@ def install(model: nn.Module) -> int:
         if _is_lora_linear(module):
             _hook(module).group = None
             hooked += 1
+    if hooked:
+        accept_deferrals()
     for module in model.modules():
         for group in getattr(module, "shared_input_groups", lambda: ())():
             members = tuple(m for m in group if _is_lora_linear(m))

@@ -226,6 +226,24 @@ def test_a_consumer_that_asks_gets_the_base_output_and_the_terms_to_add() -> Non
     assert terms == [] and torch.equal(got, _peft(layer, x))
 
 
+def test_consumers_ask_for_terms_only_once_adapter_layers_are_hooked(monkeypatch) -> None:
+    """Before any adapter layer is hooked a block's `deferred` takes no terms (no bookkeeping per block and step);
+    after `install` it does. Catches the skip left on once layers defer (their terms added by no one or twice)."""
+    from kernels import lora
+    from model.peft_tail import install
+
+    monkeypatch.setattr(lora, "_ACCEPTING", False)
+    layer = _peft_layer()
+    x = torch.randn(3, 24).bfloat16()
+    with lora.deferred(layer) as terms:
+        assert lora.defer(layer, [(x, x, 1.0)]) is False
+    assert terms == []
+    install(layer)
+    with lora.deferred(layer) as terms:
+        y = layer(x)
+    assert len(terms) == 2 and torch.equal(lora.add_terms(y, terms), _peft(layer, x))
+
+
 def test_the_gelu_pass_adds_every_term_it_is_handed_in_order(tail_calls) -> None:
     """Two adapters on the MLP up-projection: the GELU pass into a slice adds both terms, in PEFT's order, before
     the GELU (one term goes inside its own pass; more through `add_terms` first). Catches terms dropped, reordered
