@@ -253,11 +253,13 @@ def step_fn(pipe: FluxServePipeline | Any, v: Variant | None, inputs: dict[str, 
     return call
 
 
-def lossless_step_fn(pipe: FluxServePipeline, inputs: dict[str, Any], calls: int = 1) -> Callable[[], Any]:
-    plan = pipe.plan("lossless", compiled=False, cuda_graphs=False)
+def lossless_step_fn(pipe: FluxServePipeline, inputs: dict[str, Any], calls: int = 1,
+                     graphs: bool = False) -> Callable[[], Any]:
+    """Lossless forwards, eager or (graphs: the pipeline's CUDA graphs on) replayed as the lossless pool serves."""
+    plan = pipe.plan("lossless", compiled=False, cuda_graphs=graphs)
 
     def call() -> Any:
-        with applied_tier(pipe.transformer, plan):
+        with applied_tier(pipe.transformer, plan, step_graphs=pipe.step_graphs if graphs else None):
             return _forwards(pipe.transformer, inputs, calls)
 
     return call
@@ -443,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
                 errors[f"{TORCHAO} batch {batch}"] = traceback.format_exc()[-2000:]
                 del fns[TORCHAO]
         fns["lossless"] = lossless_step_fn(ours, inputs)
+        # the step as the lossless pool serves it: replayed from a CUDA graph (on a CPU dry run: eager, the same path)
+        ours.enable_cuda_graphs()
+        fns["lossless_graphs"] = lossless_step_fn(ours, inputs, graphs=True)
         for name, pipe in variants.items():
             if by_name[name].step_cache is None:
                 fns[name] = step_fn(pipe, by_name[name], inputs)
@@ -457,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.in_batch > 0:  # steps as a batch runs them: the plan entered once for `in_batch` steps
             n = args.in_batch
             many = {"diffusers": step_fn(reference, None, inputs, n), "lossless": lossless_step_fn(ours, inputs, n)}
+            if "lossless_graphs" in fns:
+                many["lossless_graphs"] = lossless_step_fn(ours, inputs, n, graphs=True)
             if TORCHAO in fns:
                 many[TORCHAO] = step_fn(yardstick, None, inputs, n)
             many.update({name: step_fn(variants[name], by_name[name], inputs, n) for name in fns if name in variants})
@@ -469,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(errors[f"in-batch step batch {batch}"], flush=True)
         with torch.no_grad():  # closeness of one step's output to lossless, per variant
             base = fns["lossless"]()[0].float()
+            if "lossless_graphs" in fns:  # a replayed step is the eager step, bit for bit
+                step[f"batch{batch}"]["lossless_graphs"]["equal_to_eager"] = bool(
+                    torch.equal(fns["lossless_graphs"]()[0].float(), base))
             for name in [n for n in [*variants, TORCHAO] if n in fns]:
                 out = fns[name]()[0].float()
                 step[f"batch{batch}"][name]["rel_err_vs_lossless"] = rel(out, base)
@@ -648,6 +658,9 @@ def perf_summary(r: dict[str, Any]) -> dict[str, Any]:
         "lossless_step_ms": r["step_ms_lossless"],
         "high_step_ms": r["step_ms_high"],
         "lossless_step_speedup": ratio(r["step_ms_diffusers"], r["step_ms_lossless"]),
+        "lossless_graphs_step_ms": b1.get("lossless_graphs", {}).get("median_ms"),
+        "lossless_graphs_step_speedup": ratio(r["step_ms_diffusers"], b1.get("lossless_graphs", {}).get("median_ms")),
+        "lossless_graphs_step_equal_to_eager": b1.get("lossless_graphs", {}).get("equal_to_eager"),
         "high_step_speedup": r["high_step_speedup"],
         "lossless_e2e_speedup": ratio(e2e.get("diffusers"), lossless_e2e),
         "high_e2e_speedup": r["high_e2e_speedup"],
@@ -684,7 +697,7 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
         ok = key != "diffusers" and field in b.get(key, {}) and field in b.get("diffusers", {})
         return f(b["diffusers"][field] / b[key][field], ".2f") if ok else "-"
 
-    references = ["diffusers", "lossless"] + ([TORCHAO] if TORCHAO in b1 or TORCHAO in b2 else [])
+    references = ["diffusers", "lossless"] + [k for k in ("lossless_graphs", TORCHAO) if k in b1 or k in b2]
     for key in references:
         s1, s2 = b1.get(key, {}), b2.get(key, {})
         lines.append(f"| {key} | {f(s1.get('median_ms'), '.2f')} | {vs_diffusers(b1, key, 'median_ms')} | "
@@ -733,7 +746,7 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
                   f"Dynamo graphs compiled while timing (every variant): {r['recompiles_while_timing']}; graph "
                   f"breaks: {sum(breaks.values())}{' ' + str(breaks) if breaks else ''}.", ""]
     lines += ["Summary (batch 1; end to end as the pools serve, lossless graphed):", "", "| key | value |", "|---|---|"]
-    lines += [f"| `{k}` | {f(r.get(k), '.3f')} |" for k in perf_summary(r)]
+    lines += [f"| `{k}` | {r[k] if isinstance(r.get(k), bool) else f(r.get(k), '.3f')} |" for k in perf_summary(r)]
     lines.append("")
     if r.get("outside_transformer_parts_s"):
         lines += ["Outside the transformer, one `high` image (s): " + ", ".join(
