@@ -392,8 +392,88 @@ def test_products_no_layer_takes_keep_no_input_alive_and_inactive_adapters_stay_
     model.k.set_adapter(["a"])
     x = torch.randint(-3, 4, (4, 24)).bfloat16()
     want = [_peft(m, x) for m in model.layers()]
+    calls = _a_calls(model)
+    with torch.no_grad():
+        for _ in range(2):  # (the first round compares)
+            assert all(torch.equal(m(x), w) for m, w in zip(model.layers(), want))
+    assert calls == []  # "b" on q and v alone is a pair: one GEMM still
+
+
+def test_the_stacked_as_kept_follows_the_weights_and_splits_any_widths() -> None:
+    """The stacked A's are kept between calls and made again when a member's A changes in place (the old stack kept
+    for graphs that may read it); ranks that differ between the layers (a rank pattern) split by their widths; a new
+    input shape is compared on its own. Catches a stale stack, a stack freed under a graph, widths mixed up, one
+    verdict reused for another shape."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from model.peft_tail import SHARED_A_GATE, _hook, install
+
+    model = _Trio()
+    inject_adapter_in_model(LoraConfig(r=16, lora_alpha=7, target_modules=["q", "k", "v"], rank_pattern={"k": 32}),
+                            model, adapter_name="c")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".c." in name or name.endswith(".c.weight"):
+                p.copy_(torch.randint(-2, 3, p.shape, generator=g))
+    model = model.bfloat16().eval()
+    for m in model.layers():
+        m.set_adapter(["a", "c"])
+    install(model)
+    group = _hook(model.q).group
+    SHARED_A_GATE.reset()
+    x = torch.randint(-3, 4, (3, 24)).bfloat16()
+    with torch.no_grad():
+        for _ in range(2):
+            assert all(torch.equal(m(x), _peft(m, x)) for m in model.layers())
+        first = group._stacked["a"][1]
+        model.q(x), model.k(x), model.v(x)
+        assert group._stacked["a"][1] is first  # kept
+        model.k.lora_A["a"].weight.add_(1)
+        assert all(torch.equal(m(x), _peft(m, x)) for m in model.layers())
+        assert group._stacked["a"][1] is not first and group._retired == [first]
+        assert sorted(s[-1] for s in SHARED_A_GATE.verdicts()) == [(16, 16, 16), (16, 32, 16)]  # (the widths)
+        wide = torch.randint(-3, 4, (5, 24)).bfloat16()
+        assert all(torch.equal(m(wide), _peft(m, wide)) for m in model.layers())
+        assert len(SHARED_A_GATE.verdicts()) == 4
+
+
+def test_under_autograd_or_while_a_graph_captures_unverified_each_layer_multiplies_its_own(monkeypatch) -> None:
+    """With autograd on, the stacked copy would cut A's gradient: each layer runs its own A (the gradient reaches
+    A); while nothing can be compared (a capture) and the gate has no verdict, each layer runs its own A too. Catches
+    the shared GEMM under autograd, or run unverified."""
+    from kernels import exact
+    from model.peft_tail import SHARED_A_GATE, install
+
+    model = _Trio().bfloat16().eval()
+    install(model)
+    SHARED_A_GATE.reset()
+    x = torch.randint(-3, 4, (3, 24)).bfloat16()
+    with torch.enable_grad():
+        model.q(x).float().sum().backward()
+    assert model.q.lora_A["a"].weight.grad is not None and SHARED_A_GATE.verdicts() == {}
+    with torch.no_grad():
+        want = [_peft(m, x) for m in model.layers()]
+    calls = _a_calls(model)
+    monkeypatch.setattr(exact, "cannot_verify_now", lambda: True)
+    monkeypatch.setattr("model.peft_tail.cannot_verify_now", lambda: True)
     with torch.no_grad():
         assert all(torch.equal(m(x), w) for m, w in zip(model.layers(), want))
+    assert len(calls) == 3 * 2 and SHARED_A_GATE.verdicts() == {}
+
+
+def test_a_layer_whose_a_is_in_another_dtype_stays_out_of_the_stack() -> None:
+    """k's A in fp32 beside bf16 q and v (PEFT casts k's input): the group does not stack it, and every layer equals
+    PEFT. Catches a stack of mixed dtypes."""
+    from model.peft_tail import install
+
+    model = _Trio().bfloat16().eval()
+    model.k.lora_A["a"].float(), model.k.lora_B["a"].float()
+    install(model)
+    x = torch.randint(-3, 4, (3, 24)).bfloat16()
+    with torch.no_grad():
+        for _ in range(2):
+            assert all(torch.equal(m(x), _peft(m, x)) for m in model.layers())
 
 
 def test_where_the_stacked_gemm_differs_each_layer_multiplies_its_own(monkeypatch, caplog) -> None:
