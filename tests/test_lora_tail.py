@@ -422,7 +422,7 @@ def test_the_stacked_as_kept_follows_the_weights_and_splits_any_widths() -> None
     install(model)
     group = _hook(model.q).group
     SHARED_A_GATE.reset()
-    x = torch.randint(-3, 4, (3, 24)).bfloat16()
+    x = torch.randint(-3, 4, (2, 3, 24)).bfloat16()
     with torch.no_grad():
         for _ in range(2):
             assert all(torch.equal(m(x), _peft(m, x)) for m in model.layers())
@@ -433,16 +433,16 @@ def test_the_stacked_as_kept_follows_the_weights_and_splits_any_widths() -> None
         assert all(torch.equal(m(x), _peft(m, x)) for m in model.layers())
         assert group._stacked["a"][1] is not first and group._retired == [first]
         assert sorted(s[-1] for s in SHARED_A_GATE.verdicts()) == [(16, 16, 16), (16, 32, 16)]  # (the widths)
-        wide = torch.randint(-3, 4, (5, 24)).bfloat16()
+        wide = torch.randint(-3, 4, (2, 5, 24)).bfloat16()
         assert all(torch.equal(m(wide), _peft(m, wide)) for m in model.layers())
         assert len(SHARED_A_GATE.verdicts()) == 4
 
 
 def test_under_autograd_or_while_a_graph_captures_unverified_each_layer_multiplies_its_own(monkeypatch) -> None:
     """With autograd on, the stacked copy would cut A's gradient: each layer runs its own A (the gradient reaches
-    A); while nothing can be compared (a capture) and the gate has no verdict, each layer runs its own A too. Catches
-    the shared GEMM under autograd, or run unverified."""
-    from kernels import exact
+    A); with the switch `lora_shared_a` off, and while nothing can be compared (a capture) and the gate has no
+    verdict, each layer runs its own A too. Catches the shared GEMM under autograd, switched off, or unverified."""
+    from kernels import exact, switches
     from model.peft_tail import SHARED_A_GATE, install
 
     model = _Trio().bfloat16().eval()
@@ -455,11 +455,32 @@ def test_under_autograd_or_while_a_graph_captures_unverified_each_layer_multipli
     with torch.no_grad():
         want = [_peft(m, x) for m in model.layers()]
     calls = _a_calls(model)
+    with torch.no_grad(), switches.override(lora_shared_a=False):  # the switch off: the same
+        assert all(torch.equal(m(x), w) for m, w in zip(model.layers(), want))
+    assert len(calls) == 3 * 2 and SHARED_A_GATE.verdicts() == {}
     monkeypatch.setattr(exact, "cannot_verify_now", lambda: True)
     monkeypatch.setattr("model.peft_tail.cannot_verify_now", lambda: True)
     with torch.no_grad():
         assert all(torch.equal(m(x), w) for m, w in zip(model.layers(), want))
-    assert len(calls) == 3 * 2 and SHARED_A_GATE.verdicts() == {}
+    assert len(calls) == 2 * 3 * 2 and SHARED_A_GATE.verdicts() == {}
+
+
+def test_a_pair_reading_one_input_shares_its_gemm_too() -> None:
+    """A group of two (q and v, as a block with k unadapted declares): one GEMM per adapter after the comparison.
+    Catches groups of two left apart."""
+    from model.peft_tail import SHARED_A_GATE, install
+
+    model = _Trio().bfloat16().eval()
+    model.shared_input_groups = lambda: ((model.q, model.v),)
+    install(model)
+    x = torch.randint(-3, 4, (3, 24)).bfloat16()
+    with torch.no_grad():
+        want = [_peft(m, x) for m in (model.q, model.v)]
+        SHARED_A_GATE.reset()
+        calls = _a_calls(model)
+        for _ in range(2):
+            assert torch.equal(model.q(x), want[0]) and torch.equal(model.v(x), want[1])
+    assert calls == [] and SHARED_A_GATE.fast_calls == 2
 
 
 def test_a_layer_whose_a_is_in_another_dtype_stays_out_of_the_stack() -> None:
