@@ -164,11 +164,13 @@ def test_rows_wider_than_the_passes_32_bit_offsets_reach_stay_eager(monkeypatch)
 
     monkeypatch.setattr(lora, "_device_supported", lambda device: True)
     monkeypatch.setattr(gelu, "_into_device_supported", lambda device: True)
-    y, t, b = torch.zeros(4, 48).half(), torch.zeros(4, 16).half(), torch.zeros(48, 16).half()
+    y, t, b = torch.zeros(2, 4, 48).half(), torch.zeros(2, 4, 16).half(), torch.zeros(48, 16).half()
     assert lora.signature(y, t, b) is not None
     monkeypatch.setattr(lora, "MAX_ROW", 32)
     assert lora.signature(y, t, b) is None
-    monkeypatch.setattr(lora, "MAX_ROW", 48)
+    monkeypatch.setattr(lora, "MAX_ROW", 48)  # (rows of exactly MAX_ROW are taken)
+    assert lora.signature(y, t, b) is not None
+    y, t = y[0], t[0]
     launched, apart = [], []
     monkeypatch.setattr(gelu.GELU_LORA_GATE, "run", lambda *a: launched.append(a))
     monkeypatch.setattr(lora, "lora_tail", lambda h, *a: apart.append("term") or h)
