@@ -177,7 +177,7 @@ def build_variants(ours: FluxServePipeline, variants: list[Variant],
             pipe.convert_for_high(fused_projections=key[0], fp8=key[1], fp8_adaln=key[2])
         except Exception as exc:  # a refused technique (e.g. fp8 on the CPU) is reported, not fatal
             errors[str(key)] = f"{type(exc).__name__}: {exc}"
-            del pipe  # the copy: freed before the next form is made
+            pipe = None  # the copy: freed before the next form is made
             gc.collect()
             continue
         forms[key] = pipe.pipe
