@@ -458,6 +458,7 @@ class FluxServePipeline:
             else:
                 unload_adapter(self.pipe, name)
                 self._drop_graphs()
+                peft_tail.install(self.transformer)  # regrouped: the removed adapter's stacked A's are freed
             self.form = replace(self.form, loras=tuple(x for x in self.form.loras if x[0] != name))
 
     def sync_loras(self, wanted: dict[str, str],

@@ -607,6 +607,16 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
     outputs = [n for n, m in ours.transformer.named_modules() if isinstance(m, peft.tuners.lora.Linear)
                and n.endswith(("attn.to_out.0", "ff.net.2", "proj_out"))]
     assert outputs and to_residual.count(1) == 2 * len(outputs) and set(to_residual) == {0, 1}
+    # an adapter removed while serving leaves no stacked copy of its A's behind
+    from model.peft_tail import _hook
+
+    def stacked() -> set[str]:
+        return {n for m in ours.transformer.modules() if isinstance(m, peft.tuners.lora.Linear)
+                and _hook(m).group is not None for n in _hook(m).group._stacked}
+
+    assert "ink" in stacked()
+    ours.remove_lora("ink")
+    assert "ink" not in stacked()
 
 
 @pytest.mark.gpu
