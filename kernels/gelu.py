@@ -239,16 +239,19 @@ def gelu_site(module: nn.Module, attr: str, x: torch.Tensor, out: torch.Tensor |
     out: write the result there (e.g. a column slice of a buffer the caller would otherwise `cat` into) and return
     it: the GELU writes into `out` (`gelu_tanh_into`), the same values as the allocating call. A mounted site takes
     this path too: the fused epilogue writes contiguous rows, and copying them into the slice costs as much as the
-    GELU pass it saves (bench/results/lossless-ops-h200.md), so the exact path is the faster one there."""
+    GELU pass it saves (bench/results/lossless-ops-h200.md), so the exact path is the faster one there. An adapter
+    layer (model/peft_tail.py) hands its terms to the GELU's pass either way."""
     layer = getattr(module, attr)
     if out is None and sites.on(module, f"{GROUP}:{attr}"):
         ok, _ = can_fuse_linear_gelu(layer, x)
         if ok:
             return fused_linear_gelu_tanh(x, layer.weight, layer.bias)
-    if out is None:
-        return F.gelu(layer(x), approximate="tanh")
     with lora.deferred(layer) as terms:  # an adapter layer leaves its terms to this pass
         h = layer(x)
+    if out is None:
+        if not terms:
+            return F.gelu(h, approximate="tanh")
+        out = torch.empty_like(h)  # the terms go inside the GELU's pass instead of a pass of their own before it
     return gelu_tanh_into(h, out, terms)
 
 

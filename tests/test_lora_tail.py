@@ -269,6 +269,33 @@ def test_the_gelu_pass_adds_every_term_it_is_handed_in_order(tail_calls) -> None
         assert torch.equal(buf[..., 8:], want) and not buf[..., :8].any()
 
 
+def test_a_gelu_site_without_a_buffer_takes_its_layers_terms_into_the_gelu_pass(monkeypatch) -> None:
+    """The double blocks' feed-forward (a GELU site that allocates its output): an adapter layer there hands its terms
+    to the GELU's pass as the single blocks' MLP does, the same bits as GELU(PEFT's output); a plain layer keeps
+    aten's GELU. Catches the terms added twice or lost, or the plain site sent through the pass."""
+    from kernels import gelu
+    from model.peft_tail import install
+
+    handed: list[int] = []
+    real = gelu.gelu_tanh_into
+    monkeypatch.setattr(gelu, "gelu_tanh_into", lambda h, out, terms=(): handed.append(len(terms)) or real(h, out, terms))
+    layer = _peft_layer()
+    install(layer)
+    site = nn.Module()
+    site.proj = layer
+    x = torch.randn(2, 3, 24).bfloat16()
+    with torch.no_grad():
+        for adapters in (["a", "b"], ["a"]):
+            layer.set_adapter(adapters)
+            got = gelu.gelu_site(site, "proj", x)
+            assert torch.equal(got, torch.nn.functional.gelu(_peft(layer, x), approximate="tanh"))
+        assert handed == [2, 1, 0]  # (one term, on the CPU: its own pass, then the GELU's)
+        site.proj = layer.base_layer
+        assert torch.equal(gelu.gelu_site(site, "proj", x),
+                           torch.nn.functional.gelu(layer.base_layer(x), approximate="tanh"))
+    assert handed == [2, 1, 0]
+
+
 def test_an_adapter_trained_with_dropout_serves_through_the_tail(tail_calls) -> None:
     """Dropout in eval mode (a served model) passes its input through, so the hook covers it: the same output as
     PEFT's forward, through the tail. Catches such adapters sent to PEFT's slower path (or dropout applied)."""
