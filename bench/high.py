@@ -746,7 +746,8 @@ def write_markdown(path: Path, r: dict[str, Any]) -> None:
                   f"Dynamo graphs compiled while timing (every variant): {r['recompiles_while_timing']}; graph "
                   f"breaks: {sum(breaks.values())}{' ' + str(breaks) if breaks else ''}.", ""]
     lines += ["Summary (batch 1; end to end as the pools serve, lossless graphed):", "", "| key | value |", "|---|---|"]
-    lines += [f"| `{k}` | {r[k] if isinstance(r.get(k), bool) else f(r.get(k), '.3f')} |" for k in perf_summary(r)]
+    lines += [f"| `{k}` | {r[k] if isinstance(r.get(k), bool) else f(r.get(k), '.3f')} |"
+              for k in perf_summary(r)]
     lines.append("")
     if r.get("outside_transformer_parts_s"):
         lines += ["Outside the transformer, one `high` image (s): " + ", ".join(

@@ -278,7 +278,8 @@ def test_a_gelu_site_without_a_buffer_takes_its_layers_terms_into_the_gelu_pass(
 
     handed: list[int] = []
     real = gelu.gelu_tanh_into
-    monkeypatch.setattr(gelu, "gelu_tanh_into", lambda h, out, terms=(): handed.append(len(terms)) or real(h, out, terms))
+    monkeypatch.setattr(gelu, "gelu_tanh_into",
+                        lambda h, out, terms=(): handed.append(len(terms)) or real(h, out, terms))
     layer = _peft_layer()
     install(layer)
     site = nn.Module()
@@ -562,8 +563,9 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
     through the tail (rank 16: the kernel's) and equals stock diffusers with PEFT bit for bit (here the CPU, so the
     tail's eager twin; the GPU test below runs the kernel); a single block whose MLP up-projection has an adapter
     still writes its GELU straight into proj_out's input (no cat), the adapter's term left to that pass; the output
-    projections' terms (attention out, FF down, proj_out) go to the residual-gate pass after them. Catches a load
-    path that leaves its layers unhooked, an adapted proj_mlp sent back to the cat, a term added twice or never.""" 
+    projections' terms (attention out, FF down, proj_out) go to the residual-gate pass after them, and the double
+    blocks' FF up-projection's to their GELU's pass. Catches a load path that leaves its layers unhooked, an adapted
+    proj_mlp sent back to the cat, a term added twice or never.""" 
     from diffusers.hooks import HookRegistry
 
     import kernels.gelu
@@ -571,7 +573,7 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
 
     into: list[bool] = []
     real_site, real_into = flux.gelu_site, kernels.gelu.gelu_tanh_into
-    handed: list[int] = []
+    handed: list[tuple[bool, int]] = []  # (into a fresh buffer, not a slice; terms) per GELU pass
 
     def site(module, attr, x, out=None):
         if attr == "proj_mlp":
@@ -579,7 +581,7 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
         return real_site(module, attr, x, out=out)
 
     def gelu_into(h, out, terms=()):
-        handed.append(len(terms))
+        handed.append((out.is_contiguous(), len(terms)))
         return real_into(h, out, terms)
 
     monkeypatch.setattr(flux, "gelu_site", site)
@@ -605,7 +607,7 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
     # on layers apart, so that the adapter loaded while serving brings PEFT layers of its own
     files = {n: str(write_random_lora(ours.transformer, tmp_path / f"{n}.safetensors", s, rank=16, targets=targets))
              for n, s, targets in (("ink", 1, ("attn.to_q", "proj_mlp")),
-                                   ("sun", 2, ("attn.to_v", "ff.net.2", "attn.to_out.0", "proj_out")))}
+                                   ("sun", 2, ("attn.to_v", "ff.net.0.proj", "ff.net.2", "attn.to_out.0", "proj_out")))}
     ref = diffusers_reference(ours)
     ours.load_loras({"ink": files["ink"]})
     assert hooked() and all(hooked())
@@ -629,7 +631,11 @@ def test_a_pipeline_hooks_every_adapter_layer_it_loads(tiny_path: Path, tmp_path
     assert SHARED_A_GATE.verdicts()
     assert len(tail_calls) >= 2 * len(adapted) and {r for r, _ in tail_calls} == {16}
     # each proj_mlp site hands ink's term to the GELU pass (which, on the CPU, adds it and calls itself again)
-    assert into and all(into) and handed.count(1) == len(into)
+    assert into and all(into) and [n for fresh, n in handed if not fresh].count(1) == len(into)
+    # and each double block's FF hands sun's up-projection term to its GELU pass (two steps)
+    ups = [n for n, m in ours.transformer.named_modules() if isinstance(m, peft.tuners.lora.Linear)
+           and n.endswith("ff.net.0.proj")]
+    assert ups and [n for fresh, n in handed if fresh].count(1) == 2 * len(ups)
     # one term per adapted output projection per forward (two steps), none elsewhere
     outputs = [n for n, m in ours.transformer.named_modules() if isinstance(m, peft.tuners.lora.Linear)
                and n.endswith(("attn.to_out.0", "ff.net.2", "proj_out"))]
