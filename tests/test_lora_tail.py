@@ -725,11 +725,13 @@ def test_gpu_lossless_adapters_through_the_tail_are_byte_identical_to_stock_diff
     from kernels import residual as R
     from model.loading import diffusers_reference, load_pipeline
     from model.pipeline import GenerationRequest, run_flux_pipeline
-    from tests._inputs import write_random_lora
+    from tests._inputs import LORA_TARGETS, write_random_lora
 
     ours = load_pipeline(str(tiny_path), device="cuda", dtype=torch.bfloat16)
-    files = {n: str(write_random_lora(ours.transformer, tmp_path / f"{n}.safetensors", s, rank=16, b_std=0.05))
-             for n, s in (("ink", 1), ("sun", 2))}
+    # ink reaches the double blocks' FF up-projections too: their terms go inside a GELU pass into a fresh buffer
+    files = {n: str(write_random_lora(ours.transformer, tmp_path / f"{n}.safetensors", s, rank=16, b_std=0.05,
+                                      targets=targets))
+             for n, s, targets in (("ink", 1, (*LORA_TARGETS, "ff.net.0.proj")), ("sun", 2, LORA_TARGETS))}
     ref = diffusers_reference(ours)
     ours.load_loras(files)
     for name, path in files.items():
