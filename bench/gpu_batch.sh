@@ -11,7 +11,8 @@
 # $OUT/mut.tar.gz; mutmut among the wheels), perf (bench/high.py: the served high form against diffusers and
 # lossless at 1024x1024, 28 steps, PERF_ARGS added), vae (bench/vae_decode.py: the VAE decode's forms), probe (bench/lora_exact_probe.py: Triton's K = r dot products
 # against cuBLAS's, and the fused LoRA tail's time against PEFT's three kernels), shared (bench/lora_shared_a_probe.py:
-# one GEMM against stacked LoRA A's against one per layer), toy (the toy preset trained on at every size for TOY_SECONDS, from
+# one GEMM against stacked LoRA A's against one per layer), rope (bench/lossless_ops.py --rope-tiles: the lossless
+# RMSNorm+RoPE pass's launch tiles), toy (the toy preset trained on at every size for TOY_SECONDS, from
 # the shipped weights or the folder TOY_RESUME (an earlier call's toy.tar.gz, unpacked and carried), at TOY_SIZES,
 # its whole VAE first for TOY_VAE_SECONDS (TOY_VAE_FLAGS="" tunes the decoder only), the extent head's loss weighted
 # TOY_EXTENT (0: off), then its adherence at
@@ -82,6 +83,7 @@ for part in ${PARTS:-}; do
     vae) need=120 ;;
     probe) need=60 ;;
     shared) need=60 ;;
+    rope) need=90 ;;
     kontext) need=240 ;;
     tests) need=${TESTS_NEED:-300} ;;
     mutate) need=200 ;;
@@ -99,6 +101,7 @@ for part in ${PARTS:-}; do
     vae) timeout $(( $(left) - 5 )) python3 bench/vae_decode.py --repeats 9 --out "$OUT/vae-decode.json" ;;
     probe) timeout $(( $(left) - 5 )) python3 bench/lora_exact_probe.py ${PROBE_ARGS:-} --out "$OUT/lora-exact-probe.json" ;;
     shared) timeout $(( $(left) - 5 )) python3 bench/lora_shared_a_probe.py --out "$OUT/lora-shared-a-probe.json" ;;
+    rope) timeout $(( $(left) - 5 )) python3 bench/lossless_ops.py --rope-tiles --out "$OUT/rope-tiles.md" ;;
     kontext) timeout $(( $(left) - 5 )) python3 bench/e2e.py --model flux-kontext-random --edit --high-default \
                --cuda-graphs --steps 28 --repeats ${KREPEATS:-3} --out "$OUT/e2e-kontext.json" ;;
     tests) timeout $(( $(left) - 5 )) python3 -m pytest -q -p no:cacheprovider -m gpu ${TEST_ARGS:-tests/} -rfEs \

@@ -12,7 +12,9 @@
 4. tanh-GELU into the single block's proj_out input (a column slice, 4608 x 12288 of 15360 columns): aten's
    `gelu(out=slice)`, aten into a contiguous tensor (the cat path's GELU, before its copy), and our kernel.
 
-Usage: python bench/lossless_ops.py [--out bench/results/lossless-ops-h200.md] [--search]
+5. (--rope-tiles, alone) the RMSNorm+RoPE pass's launch tiles: heads per program x warps.
+
+Usage: python bench/lossless_ops.py [--out bench/results/lossless-ops-h200.md] [--search] [--rope-tiles]
 """
 
 from __future__ import annotations
@@ -151,6 +153,25 @@ def rms_rope_times(dtype: torch.dtype) -> list[str]:
 
 
 @torch.no_grad()
+def rms_rope_tiles(dtype: torch.dtype) -> list[str]:
+    """The fused RMSNorm+RoPE+cat pass per launch tile (heads per program, warps): time per call, each output equal
+    to the default tile's (the per-head sums run in one order whatever the tile)."""
+    rows = ["| heads per program x warps | us per call (1, 512, 4096) | equal to the default tile |", "|---|---|---|"]
+    sets = [_qk(1, 512, 4096, dtype, 20 + k) for k in range(6)]
+    want = [K.rms_rope_cat(a[0], a[1], a[2].weight, a[3].weight, 1e-6, 1e-6, a[4], a[5]) for a in sets]
+    for heads, warps in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
+        tile = {"heads": heads, "num_warps": warps}
+        t = graph_time_us([lambda a=a: K.rms_rope_cat(a[0], a[1], a[2].weight, a[3].weight, 1e-6, 1e-6, a[4], a[5],
+                                                      tile=tile) for a in sets])
+        ok = all(torch.equal(K.rms_rope_cat(a[0], a[1], a[2].weight, a[3].weight, 1e-6, 1e-6, a[4], a[5], tile=tile),
+                             w) for a, w in zip(sets, want))
+        default = " (default)" if {**K.RMS_ROPE_TILE, "heads": K.RMS_ROPE_TILE["heads"] or 8} == tile else ""
+        rows.append(f"| {heads} x {warps}{default} | {t:.1f} | {ok} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+@torch.no_grad()
 def gelu_into_times(dtype: torch.dtype) -> list[str]:
     from torch.nn.functional import gelu
 
@@ -179,6 +200,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/lossless-ops-h200.md")
     ap.add_argument("--search", action="store_true", help="try every FMA variant of the LayerNorm kernel")
+    ap.add_argument("--rope-tiles", action="store_true",
+                    help="only time the RMSNorm+RoPE pass's launch tiles (heads per program x warps)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     import triton
@@ -188,6 +211,11 @@ def main() -> None:
              f"library default variant {K.LN_FMA_VARIANT}.", ""]
     # --search: all 24 variants in bf16, then the other dtypes re-check the bf16 survivors and the default (each
     # variant is a compile: minutes). Default: the library's variant only, in every dtype.
+    if args.rope_tiles:
+        lines += ["## QK RMSNorm + RoPE(+cat): launch tiles (bf16, H=24, D=128)", ""] + rms_rope_tiles(torch.bfloat16)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+        return
     variants = (list(itertools.product((False, True), (False, True), (0, 1, 2), (False, True))) if args.search
                 else [K.LN_FMA_VARIANT])
     for dtype in (torch.bfloat16, torch.float16, torch.float32):

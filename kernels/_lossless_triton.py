@@ -469,28 +469,37 @@ def _lane_tree_sum(acc, HB: tl.constexpr, LANES: tl.constexpr):
     return tl.reshape(acc, (HB,))
 
 
+# The pass's launch: heads per program (a power of two dividing H; None: as many as fit 1024 columns) and warps.
+# bench/lossless_ops.py --rope-tiles times others.
+RMS_ROPE_TILE = {"heads": None, "num_warps": 4}
+
+
 def rms_rope_cat(
     txt: torch.Tensor | None, img: torch.Tensor, w_txt: torch.Tensor | None, w_img: torch.Tensor,
     eps_txt: float, eps_img: float, cos: torch.Tensor, sin: torch.Tensor, fma_squares: bool | None = None,
+    tile: dict | None = None,
 ) -> torch.Tensor:
     """RoPE(cat([rms_norm(txt), rms_norm(img)])) for txt/img [B, *, H, D] with contiguous (H, D) rows,
-    D a power of two in [8, 128]; weights [D]; cos/sin fp32 [T + I, D]."""
+    D a power of two in [8, 128]; weights [D]; cos/sin fp32 [T + I, D]. tile: RMS_ROPE_TILE's keys (a bench's)."""
     B, I, H, D = img.shape
     T = 0 if txt is None else txt.shape[1]
     src_t = img if txt is None else txt
     w_t = w_img if w_txt is None else w_txt
     out = torch.empty((B, T + I, H, D), dtype=img.dtype, device=img.device)
     HD = H * D
-    heads = 1  # heads per program: a power of two dividing H, at most 1024 columns
-    while heads * 2 * D <= 1024 and H % (heads * 2) == 0:
+    tile = {**RMS_ROPE_TILE, **(tile or {})}
+    heads = tile["heads"] or 1  # heads per program: a power of two dividing H, at most 1024 columns by default
+    while tile["heads"] is None and heads * 2 * D <= 1024 and H % (heads * 2) == 0:
         heads *= 2
+    if H % heads or heads & (heads - 1):
+        raise ValueError(f"heads per program {heads} must be a power of two dividing {H}")
     block = heads * D
     _rms_rope_cat_kernel[(B * (T + I), triton.cdiv(HD, block))](
         src_t, img, w_t, w_img, cos, sin, out, T, I, HD, float(eps_txt if txt is not None else eps_img),
         float(eps_img), src_t.stride(0), src_t.stride(1), img.stride(0), img.stride(1),
         TY=_TL_DTYPE[img.dtype], D=D, BLOCK=block,
         FMA_SQ=RMS_FMA_SQUARES if fma_squares is None else fma_squares,
-        enable_fp_fusion=False, num_warps=4,
+        enable_fp_fusion=False, num_warps=tile["num_warps"],
     )
     return out
 

@@ -473,6 +473,10 @@ for (B, Tn, In, H, D) in ((1, 3, 5, 4, 128), (2, 2, 3, 6, 64), (1, 0, 4, 3, 32))
     ref = apply_rope_eager(torch.cat(parts, dim=1), cos, sin)
     flips = (out != ref).float().mean().item()
     assert flips < 5e-3 and (out.float() - ref.float()).abs().max() < 0.02 * ref.float().abs().max(), (B, H, D, flips)
+    # another launch tile (heads per program) writes the same bits
+    heads = 2 if H % 2 == 0 else 1
+    assert torch.equal(K.rms_rope_cat(txt, img, w_t if txt is not None else None, w_i, 1e-6, 1e-6, cos, sin,
+                                      fma_squares=False, tile={"heads": heads, "num_warps": 2}), out)
     n += 1
 print("OK", n)
 """
