@@ -587,22 +587,30 @@ def _store_tile(ptrs, v, lm, rn, rows, N, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _with_lora(y_blk, t_blk, b_ptr, rows, N, scale, lm, rn, R: tl.constexpr, TY: tl.constexpr, EVEN: tl.constexpr):
-    # fp32 [BM, BN] tile of PEFT's output y + F.linear(t, B) * scale. y_blk / t_blk point at the tile's first row of a
-    # contiguous y [M, N] / t [M, R]; lm: local rows (32-bit offsets within the tile), `rows` of them left there;
-    # rn: columns. EVEN (whole tiles: M and N multiples of the tile): no masks.
+def _term(t_blk, b_ptr, rows, N, scale, lm, rn, R: tl.constexpr, TY: tl.constexpr, EVEN: tl.constexpr):
+    # fp32 [BM, BN] tile of PEFT's rounded term F.linear(t, B) * scale (t_blk: the tile's first row of a contiguous
+    # t [M, R]; B [N, R]; lm, rows, rn, EVEN as in _with_lora)
     rk = tl.arange(0, R)
     if EVEN:
         t = tl.load(t_blk + lm[:, None] * R + rk[None, :])
         b = tl.load(b_ptr + rn[None, :] * R + rk[:, None])  # B^T tile [R, BN]
-        y = tl.load(y_blk + lm[:, None] * N + rn[None, :])
     else:
         t = tl.load(t_blk + lm[:, None] * R + rk[None, :], mask=lm[:, None] < rows, other=0.0)
         b = tl.load(b_ptr + rn[None, :] * R + rk[:, None], mask=rn[None, :] < N, other=0.0)
-        y = tl.load(y_blk + lm[:, None] * N + rn[None, :], mask=(lm[:, None] < rows) & (rn[None, :] < N), other=0.0)
     lora = _round(tl.dot(t, b, out_dtype=tl.float32), TY)
-    lora = _round(lora * scale, TY)
-    return y.to(tl.float32) + lora
+    return _round(lora * scale, TY)
+
+
+@triton.jit
+def _with_lora(y_blk, t_blk, b_ptr, rows, N, scale, lm, rn, R: tl.constexpr, TY: tl.constexpr, EVEN: tl.constexpr):
+    # fp32 [BM, BN] tile of PEFT's output y + F.linear(t, B) * scale. y_blk / t_blk point at the tile's first row of a
+    # contiguous y [M, N] / t [M, R]; lm: local rows (32-bit offsets within the tile), `rows` of them left there;
+    # rn: columns. EVEN (whole tiles: M and N multiples of the tile): no masks.
+    if EVEN:
+        y = tl.load(y_blk + lm[:, None] * N + rn[None, :])
+    else:
+        y = tl.load(y_blk + lm[:, None] * N + rn[None, :], mask=(lm[:, None] < rows) & (rn[None, :] < N), other=0.0)
+    return y.to(tl.float32) + _term(t_blk, b_ptr, rows, N, scale, lm, rn, R, TY, EVEN)
 
 
 @triton.jit
@@ -614,6 +622,20 @@ def _lora_tail_kernel(
     lm = tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     v = _with_lora(y_ptr + row0 * N, t_ptr + row0 * R, b_ptr, M - row0, N, scale, lm, rn, R, TY, EVEN)
+    _store_tile(out_ptr + row0 * N + lm[:, None] * N + rn[None, :], _cast(v, TY), lm, rn, M - row0, N, EVEN)
+
+
+@triton.jit
+def _lora_tail2_kernel(
+    y_ptr, t_ptr, b_ptr, t2_ptr, b2_ptr, out_ptr, M, N, scale, scale2,
+    R: tl.constexpr, R2: tl.constexpr, TY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, EVEN: tl.constexpr,
+):
+    # two adapters' terms in PEFT's order, each sum rounded: (y + term1) + term2, in one pass
+    row0 = tl.program_id(0).to(tl.int64) * BM
+    lm = tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    v = _round(_with_lora(y_ptr + row0 * N, t_ptr + row0 * R, b_ptr, M - row0, N, scale, lm, rn, R, TY, EVEN), TY)
+    v = v + _term(t2_ptr + row0 * R2, b2_ptr, M - row0, N, scale2, lm, rn, R2, TY, EVEN)
     _store_tile(out_ptr + row0 * N + lm[:, None] * N + rn[None, :], _cast(v, TY), lm, rn, M - row0, N, EVEN)
 
 
@@ -646,6 +668,7 @@ _LORA_CONFIGS = [triton.Config({"BM": bm, "BN": bn}, num_warps=w)
                                    (16, 128, 4), (16, 256, 8), (32, 128, 8), (64, 64, 8))]
 _EVEN = triton.heuristics({"EVEN": lambda a: _even(a["M"], a["N"], a["BM"], a["BN"])})
 _lora_tail_tuned = autotune(_LORA_CONFIGS, key=["M", "N", "R"])(_EVEN(_lora_tail_kernel))
+_lora_tail2_tuned = autotune(_LORA_CONFIGS, key=["M", "N", "R", "R2"])(_EVEN(_lora_tail2_kernel))
 _gelu_tanh_lora_tuned = autotune(_LORA_CONFIGS, key=["M", "N", "R"])(_EVEN(_gelu_tanh_lora_kernel))
 
 
@@ -677,4 +700,15 @@ def lora_tail(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float) -
     out = torch.empty_like(y)
     _lora_launch(_lora_tail_kernel, _lora_tail_tuned, M, N,
                  y, t, b, out, M, N, float(scale), R=t.shape[1], TY=_TL_DTYPE[y.dtype], enable_fp_fusion=False)
+    return out
+
+
+def lora_tail2(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float, t2: torch.Tensor, b2: torch.Tensor,
+               scale2: float) -> torch.Tensor:
+    """lora_tail(lora_tail(y, t, b, scale), t2, b2, scale2) in one pass (each operand as lora_tail takes it)."""
+    M, N = y.shape
+    out = torch.empty_like(y)
+    _lora_launch(_lora_tail2_kernel, _lora_tail2_tuned, M, N,
+                 y, t, b, t2, b2, out, M, N, float(scale), float(scale2), R=t.shape[1], R2=t2.shape[1],
+                 TY=_TL_DTYPE[y.dtype], enable_fp_fusion=False)
     return out

@@ -35,12 +35,32 @@ for dtype in (torch.float16, torch.float32):
         n += 1
 # the op on [B, S, *] rows with the device check passed: verified once against eager, then fused
 L._device_supported = lambda device: True
-y = (torch.randn(2, 7, 48) * 1000).half()
-t = torch.randint(-16, 17, (2, 7, 16)).half()
-b = torch.randint(-16, 17, (48, 16)).half()
+y3 = y = (torch.randn(2, 7, 48) * 1000).half()
+t3 = t = torch.randint(-16, 17, (2, 7, 16)).half()
+b3 = b = torch.randint(-16, 17, (48, 16)).half()
 for _ in range(2):
     assert torch.equal(L.lora_tail(y, t, b, 0.3), L.lora_tail_eager(y, t, b, 0.3))
 assert L.GATE.fast_calls == 1 and list(L.GATE.verdicts().values()) == [True], L.GATE.verdicts()
+n += 1
+# two adapters' terms in one pass: PEFT's two sums, each rounded (ranks may differ)
+for dtype in (torch.float16, torch.float32):
+    for (M, N, r, r2) in ((70, 200, 32, 16), (64, 128, 16, 16)):
+        t, t2 = torch.randint(-16, 17, (M, r)).to(dtype), torch.randint(-16, 17, (M, r2)).to(dtype)
+        b, b2 = torch.randint(-16, 17, (N, r)).to(dtype), torch.randint(-16, 17, (N, r2)).to(dtype)
+        y = (torch.randn(M, N) * 1000).to(dtype)
+        got = K.lora_tail2(y, t, b, 0.3, t2, b2, -0.7)
+        want = L.lora_tail_eager(L.lora_tail_eager(y, t, b, 0.3), t2, b2, -0.7)
+        assert torch.equal(got, want), (dtype, M, N, r, r2)
+        n += 1
+t2 = torch.randint(-16, 17, (2, 7, 32)).half()
+b2 = torch.randint(-16, 17, (48, 32)).half()
+calls = L.GATE.fast_calls
+for _ in range(2):  # through add_terms (three terms: two in one pass, then one)
+    got = L.add_terms(y3, [(t3, b3, 0.3), (t2, b2, -0.7), (t3, b3, 0.5)])
+    want = L.lora_tail_eager(L.lora_tail_eager(L.lora_tail_eager(y3, t3, b3, 0.3), t2, b2, -0.7), t3, b3, 0.5)
+    assert torch.equal(got, want)
+# the pair compared once, then fused; the third term (a shape seen above) fused both times
+assert L.GATE.fast_calls == calls + 3 and sum(1 for k in L.GATE.verdicts() if k[0] == "two terms") == 1
 n += 1
 # the term inside the GELU pass into a column slice: the same bits as the term's kernel, then the GELU's
 for dtype in (torch.float16, torch.float32):
@@ -61,11 +81,12 @@ print("OK", n)
 
 def test_the_lora_tail_kernel_keeps_peft_roundings_in_the_interpreter() -> None:
     """The real kernel in Triton's CPU interpreter equals PEFT's `y + F.linear(t, B) * s` bit for bit (fp16, fp32;
-    ragged blocks), and the op on batched rows goes through its gate (one comparison, then the kernel); the GELU pass
-    with the term inside equals the term's kernel followed by the GELU's, into a column slice. Catches a rounding
-    step left out (after the dot, after the scale, before the GELU), B read transposed, masks past the edges, the
-    slice's row stride ignored."""
-    run_in_interpreter(_KERNEL_PROBE, "OK 11")
+    ragged blocks), and the op on batched rows goes through its gate (one comparison, then the kernel); two adapters'
+    terms in one pass equal PEFT's two sums (and `add_terms` pairs them); the GELU pass with the term inside equals
+    the term's kernel followed by the GELU's, into a column slice. Catches a rounding step left out (after the dot,
+    after the scale, between the two sums, before the GELU), B read transposed, masks past the edges, the slice's row
+    stride ignored, a term of three dropped."""
+    run_in_interpreter(_KERNEL_PROBE, "OK 16")
 
 
 _RESIDUAL_PROBE = r"""
@@ -143,17 +164,22 @@ def _peft(layer: nn.Module, x: torch.Tensor, **kwargs) -> torch.Tensor:
 
 @pytest.fixture
 def tail_calls(monkeypatch) -> list[tuple]:
-    """Each call of `lora_tail` the hook makes: (rank, scale)."""
+    """Each term the hook adds through `lora_tail` (one term) or `lora_tail2` (two in one pass): (rank, scale)."""
     from kernels import lora
 
     calls: list[tuple] = []
-    real = lora.lora_tail
+    real, real2 = lora.lora_tail, lora.lora_tail2
 
     def spy(y, t, b, scale):
         calls.append((t.shape[-1], scale))
         return real(y, t, b, scale)
 
+    def spy2(y, first, second):
+        calls.extend((t.shape[-1], scale) for t, _, scale in (first, second))
+        return real2(y, first, second)
+
     monkeypatch.setattr(lora, "lora_tail", spy)
+    monkeypatch.setattr(lora, "lora_tail2", spy2)
     return calls
 
 
@@ -669,6 +695,26 @@ def test_gpu_the_lora_tail_kernel_sums_as_cublas_does(rank: int) -> None:
         for _ in range(2):
             assert torch.equal(L.lora_tail(y, t, b, 0.75), L.lora_tail_eager(y, t, b, 0.75)), (rows, cols)
     assert all(L.GATE.verdicts().values()) and L.GATE.fast_calls == 4, L.GATE.verdicts()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [(16, 16), (16, 32)])
+def test_gpu_two_adapters_in_one_pass_equal_pefts_two_sums(ranks: tuple[int, int]) -> None:
+    """On CUDA in bf16, at FLUX.1's adapter shapes, two adapters' terms in one pass (`lora_tail2`, what `add_terms`
+    runs for a pair) equal PEFT's two eager sums bit for bit, so the gate lets the pass run."""
+    from kernels import lora as L
+
+    L.GATE.reset()
+    g = torch.Generator(device="cuda").manual_seed(sum(ranks))
+    for rows, cols in ((4096, 3072), (4608, 12288), (512, 3072)):
+        y = torch.randn(1, rows, cols, device="cuda", generator=g).bfloat16()
+        terms = [(torch.randn(1, rows, r, device="cuda", generator=g).bfloat16(),
+                  (torch.randn(cols, r, device="cuda", generator=g) * 0.05).bfloat16(), s)
+                 for r, s in zip(ranks, (0.75, -0.5))]
+        for _ in range(2):
+            want = L.lora_tail_eager(L.lora_tail_eager(y, *terms[0]), *terms[1])
+            assert torch.equal(L.add_terms(y, terms), want), (rows, cols)
+    assert all(L.GATE.verdicts().values()) and L.GATE.fast_calls == 3, L.GATE.verdicts()
 
 
 @pytest.mark.gpu
