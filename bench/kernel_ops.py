@@ -12,6 +12,7 @@ Usage: python bench/kernel_ops.py [--out bench/results/kernels-h200.md]
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -93,6 +94,13 @@ def stream_time_us(call: Callable[[], object], reps: int = 20, batch: int = 5) -
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / batch)
     return statistics.median(times)
+
+
+def write_probe(result: dict, out: str | None) -> None:
+    """A probe's end: its `all_equal` verdict printed, the result written as JSON to `out` (if given)."""
+    print("all equal:", result["all_equal"])
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1))
 
 
 def copy_rate_gbs() -> dict[str, float]:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernel_ops import stream_time_us  # noqa: E402
+from bench.kernel_ops import stream_time_us, write_probe  # noqa: E402
 from kernels.lora import RANKS  # noqa: E402
 
 
@@ -59,10 +59,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "all_equal": all(r["equal"] for r in rows), "rows": rows}
-    print("all equal:", result["all_equal"])
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_probe(result, a.out)
 
 
 if __name__ == "__main__":
