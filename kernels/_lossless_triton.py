@@ -587,9 +587,11 @@ def _store_tile(ptrs, v, lm, rn, rows, N, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _term(t_blk, b_ptr, rows, N, scale, lm, rn, R: tl.constexpr, TY: tl.constexpr, EVEN: tl.constexpr):
-    # fp32 [BM, BN] tile of PEFT's rounded term F.linear(t, B) * scale (t_blk: the tile's first row of a contiguous
-    # t [M, R]; B [N, R]; lm, rows, rn, EVEN as in _with_lora)
+def _term(t_ptr, b_ptr, row0, M, N, scale, lm, rn, R: tl.constexpr, TY: tl.constexpr, EVEN: tl.constexpr):
+    # fp32 [BM, BN] tile of PEFT's rounded term F.linear(t, B) * scale (t contiguous [M, R], B [N, R]; row0, lm, rn,
+    # EVEN as in _with_lora)
+    t_blk = t_ptr + row0 * R
+    rows = M - row0
     rk = tl.arange(0, R)
     if EVEN:
         t = tl.load(t_blk + lm[:, None] * R + rk[None, :])
@@ -602,15 +604,18 @@ def _term(t_blk, b_ptr, rows, N, scale, lm, rn, R: tl.constexpr, TY: tl.constexp
 
 
 @triton.jit
-def _with_lora(y_blk, t_blk, b_ptr, rows, N, scale, lm, rn, R: tl.constexpr, TY: tl.constexpr, EVEN: tl.constexpr):
-    # fp32 [BM, BN] tile of PEFT's output y + F.linear(t, B) * scale. y_blk / t_blk point at the tile's first row of a
-    # contiguous y [M, N] / t [M, R]; lm: local rows (32-bit offsets within the tile), `rows` of them left there;
-    # rn: columns. EVEN (whole tiles: M and N multiples of the tile): no masks.
+def _with_lora(y_ptr, t_ptr, b_ptr, row0, M, N, scale, lm, rn, R: tl.constexpr, TY: tl.constexpr,
+               EVEN: tl.constexpr):
+    # fp32 [BM, BN] tile of PEFT's output y + F.linear(t, B) * scale for contiguous y [M, N], t [M, R]: the tile's
+    # first row row0 (64-bit, added to the pointers once), lm its local rows (32-bit offsets within the tile), rn
+    # its columns. EVEN (whole tiles: M and N multiples of the tile): no masks.
+    y_blk = y_ptr + row0 * N
     if EVEN:
         y = tl.load(y_blk + lm[:, None] * N + rn[None, :])
     else:
-        y = tl.load(y_blk + lm[:, None] * N + rn[None, :], mask=(lm[:, None] < rows) & (rn[None, :] < N), other=0.0)
-    return y.to(tl.float32) + _term(t_blk, b_ptr, rows, N, scale, lm, rn, R, TY, EVEN)
+        y = tl.load(y_blk + lm[:, None] * N + rn[None, :], mask=(lm[:, None] < M - row0) & (rn[None, :] < N),
+                    other=0.0)
+    return y.to(tl.float32) + _term(t_ptr, b_ptr, row0, M, N, scale, lm, rn, R, TY, EVEN)
 
 
 @triton.jit
@@ -621,7 +626,7 @@ def _lora_tail_kernel(
     row0 = tl.program_id(0).to(tl.int64) * BM  # 64-bit once per tile; 32-bit offsets inside it
     lm = tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    v = _with_lora(y_ptr + row0 * N, t_ptr + row0 * R, b_ptr, M - row0, N, scale, lm, rn, R, TY, EVEN)
+    v = _with_lora(y_ptr, t_ptr, b_ptr, row0, M, N, scale, lm, rn, R, TY, EVEN)
     _store_tile(out_ptr + row0 * N + lm[:, None] * N + rn[None, :], _cast(v, TY), lm, rn, M - row0, N, EVEN)
 
 
@@ -634,8 +639,8 @@ def _lora_tail2_kernel(
     row0 = tl.program_id(0).to(tl.int64) * BM
     lm = tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    v = _round(_with_lora(y_ptr + row0 * N, t_ptr + row0 * R, b_ptr, M - row0, N, scale, lm, rn, R, TY, EVEN), TY)
-    v = v + _term(t2_ptr + row0 * R2, b2_ptr, M - row0, N, scale2, lm, rn, R2, TY, EVEN)
+    v = _round(_with_lora(y_ptr, t_ptr, b_ptr, row0, M, N, scale, lm, rn, R, TY, EVEN), TY)
+    v = v + _term(t2_ptr, b2_ptr, row0, M, N, scale2, lm, rn, R2, TY, EVEN)
     _store_tile(out_ptr + row0 * N + lm[:, None] * N + rn[None, :], _cast(v, TY), lm, rn, M - row0, N, EVEN)
 
 
@@ -649,7 +654,7 @@ def _gelu_tanh_lora_kernel(
     row0 = tl.program_id(0).to(tl.int64) * BM
     lm = tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    v = _round(_with_lora(y_ptr + row0 * N, t_ptr + row0 * R, b_ptr, M - row0, N, scale, lm, rn, R, TY, EVEN), TY)
+    v = _round(_with_lora(y_ptr, t_ptr, b_ptr, row0, M, N, scale, lm, rn, R, TY, EVEN), TY)
     g = _gelu_tanh_value(v, BETA, KAPPA, FMA_INNER, INTERPRET)
     _store_tile(out_ptr + row0 * out_sr + lm[:, None] * out_sr + rn[None, :], _cast(g, TY), lm, rn, M - row0, N,
                 EVEN)

@@ -110,8 +110,7 @@ def _residual_gate_lora_kernel(
     row0 = b * S + tl.program_id(0) * BS  # the tile's first row of the flattened [B * S, D] tensors (64-bit, once)
     lm = tl.arange(0, BS)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
-    update = _round(_with_lora(u_ptr + row0 * D, t_ptr + row0 * R, b_ptr, M - row0, D, scale, lm, cols, R, TY, EVEN),
-                    TY)
+    update = _round(_with_lora(u_ptr, t_ptr, b_ptr, row0, M, D, scale, lm, cols, R, TY, EVEN), TY)
     offs = lm[:, None] * D + cols[None, :]
     rows = S - tl.program_id(0) * BS  # this image's rows left in the tile
     if EVEN:
