@@ -63,11 +63,12 @@ def kernel_delta(base: dict[str, float], lora: dict[str, float], top: int = 15) 
     """Where an adapter image's extra kernel time goes: the names whose time grew most (ms per image), and totals."""
     names = set(base) | set(lora)
     delta = sorted(((lora.get(n, 0.0) - base.get(n, 0.0), n) for n in names), reverse=True)
+    def row(d: float, n: str) -> dict[str, Any]:
+        return {"kernel": n[:120], "ms": round(d, 3), "base_ms": round(base.get(n, 0.0), 3)}
+
     return {"base_ms": round(sum(base.values()), 2), "lora_ms": round(sum(lora.values()), 2),
-            "grew": [{"kernel": n[:120], "ms": round(d, 3), "base_ms": round(base.get(n, 0.0), 3)}
-                     for d, n in delta[:top]],
-            "shrank": [{"kernel": n[:120], "ms": round(d, 3), "base_ms": round(base.get(n, 0.0), 3)}
-                       for d, n in delta[::-1][:top] if d < 0]}
+            "grew": [row(d, n) for d, n in delta[:top]],
+            "shrank": [row(d, n) for d, n in delta[::-1][:top] if d < 0]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,10 +19,9 @@ import weakref
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
 from torch import nn
-
-import torch.nn.functional as F
 
 from kernels.exact import ExactGate, cannot_verify_now, tensor_signature
 from kernels.lora import accept_deferrals, add_terms, defer
